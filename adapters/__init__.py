@@ -1,0 +1,1 @@
+"""Adapters: the contract, the reference adapter, and adapters for real implementations."""

@@ -1,0 +1,195 @@
+"""The adapter contract: what the harness drives and what it observes (spec chapter `adapter-contract`).
+
+An adapter wraps one implementation of a KV-cache manager plus offload connector. Every value that
+crosses this boundary is a pydantic model, validated before it is compared (CONF-OBS-1). Blocks are
+named by `BlockRef` — (request, offloaded block index) — never by implementation-specific hashes or
+GPU block ids, so two implementations can be compared.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EngineConfig(_Frozen):
+    """The engine an adapter must build: pool sizes, block geometry, policy and scheduling mode."""
+
+    block_size: int = Field(4, ge=1, description="tokens per GPU block")
+    num_gpu_blocks: int = Field(64, ge=2, description="GPU blocks, the null block 0 included")
+    block_size_factor: int = Field(3, ge=1, description="GPU blocks per offloaded block")
+    num_offload_blocks: int = Field(8, ge=1, description="offloaded blocks the store holds")
+    eviction_policy: Literal["lru", "arc"] = "lru"
+    async_scheduling: bool = False
+    max_num_batched_tokens: int = Field(256, ge=1, description="token budget of one step")
+    token_width: int = Field(8, ge=1, description="KV elements per token (layers x 2 x heads x head_dim)")
+    kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+
+    def __repr__(self) -> str:
+        return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in self.model_dump().items())})"
+
+
+class RequestSpec(_Frozen):
+    """A request as the harness submits it."""
+
+    request_id: str
+    prompt: tuple[int, ...] = Field(min_length=1)
+    max_tokens: int = Field(1, ge=1)
+    skip_reading_prefix_cache: bool = False
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.model_dump().items() if v != RequestSpec.model_fields[k].default)
+        return f"RequestSpec({fields})"
+
+
+class BlockRef(_Frozen):
+    """Offloaded block `index` of request `request_id`: tokens `[index*B, (index+1)*B)` with B = offloaded block size."""
+
+    request_id: str
+    index: int = Field(ge=0)
+
+
+class MatchAnswer(_Frozen):
+    """One `get_num_new_matched_tokens` call: the local hit it was given and what it answered (CONN-MATCH-*)."""
+
+    request_id: str
+    local_hit_tokens: int = Field(ge=0)
+    external_tokens: int | None = Field(ge=0)
+    load_async: bool
+
+
+class LoadJob(_Frozen):
+    """A load: offloaded blocks into the request's GPU blocks `first_gpu_block .. +num_gpu_blocks` (logical)."""
+
+    request_id: str
+    offload_indices: tuple[int, ...]
+    first_gpu_block: int = Field(ge=0)
+    num_gpu_blocks: int = Field(ge=1)
+
+
+class StoreJob(_Frozen):
+    """Offloaded blocks of one request, offered to the store or written by it."""
+
+    request_id: str
+    offload_indices: tuple[int, ...]
+
+
+class StepObservation(_Frozen):
+    """Everything one engine step did that the spec constrains."""
+
+    scheduled_tokens: dict[str, int]
+    computed_tokens: dict[str, int] = Field(description="num_computed_tokens of every unfinished request after the step")
+    match_answers: tuple[MatchAnswer, ...] = ()
+    lookups: dict[str, tuple[int, ...]] = Field(default_factory=dict, description="offloaded block indices looked up, in order")
+    loads: tuple[LoadJob, ...] = ()
+    store_offers: tuple[StoreJob, ...] = ()
+    stores: tuple[StoreJob, ...] = ()
+    evicted: tuple[BlockRef, ...] = ()
+    finished: tuple[str, ...] = ()
+    freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
+    forward_writes: frozenset[int] = Field(frozenset(), description="physical GPU blocks the forward wrote")
+    store_reads_in_flight: frozenset[int] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
+
+
+class StoreSnapshot(_Frozen):
+    """The offload store's contents: readable blocks and blocks still being stored."""
+
+    ready: frozenset[BlockRef]
+    storing: frozenset[BlockRef]
+
+
+class ResourceUsage(_Frozen):
+    """Counters that must return to zero when the engine is idle (LIFE-LEAK-1)."""
+
+    used_gpu_blocks: int = Field(ge=0, description="GPU blocks referenced by any request (null block excluded)")
+    pinned_offload_blocks: int = Field(ge=0)
+    jobs_in_flight: int = Field(ge=0)
+    unfinished_requests: int = Field(ge=0)
+
+
+class Capabilities(_Frozen):
+    """What an implementation claims to support; the harness draws only from this (CONF-CAP-1)."""
+
+    async_scheduling: bool = True
+    eviction_policies: tuple[Literal["lru", "arc"], ...] = ("lru", "arc")
+    block_size_factors: tuple[int, ...] = (1, 2, 3)
+    preemption: bool = True
+    abort: bool = True
+    transfer_failures: bool = True
+    reset_connector: bool = True
+    kv_cache_groups: int = 1
+    reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Capabilities:
+        if not self.eviction_policies or not self.block_size_factors:
+            raise ValueError("capabilities must list at least one eviction policy and one block_size_factor")
+        if any(factor < 1 for factor in self.block_size_factors):
+            raise ValueError("block_size_factors must be >= 1")
+        return self
+
+
+class KVConnectorAdapter(abc.ABC):
+    """One implementation under test. The harness builds a fresh adapter per test case."""
+
+    name: str = "unnamed"
+
+    @abc.abstractmethod
+    def implementation_version(self) -> str:
+        """Return the version of the wrapped implementation."""
+
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """Return what the implementation supports."""
+
+    @abc.abstractmethod
+    def start(self, config: EngineConfig) -> None:
+        """Build a fresh engine with this configuration."""
+
+    @abc.abstractmethod
+    def add_request(self, request: RequestSpec) -> None:
+        """Queue a request (it is considered for scheduling at the next step)."""
+
+    @abc.abstractmethod
+    def step(self) -> StepObservation:
+        """Run one engine step: schedule, connector metadata, forward, worker transfers, output processing."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Abort an unfinished request."""
+
+    @abc.abstractmethod
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request now: its GPU blocks are released and it recomputes later."""
+
+    @abc.abstractmethod
+    def reset_prefix_cache(self, reset_connector: bool) -> bool:
+        """Reset the local prefix cache (and the offload store if asked); return the engine's answer."""
+
+    @abc.abstractmethod
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        """Let every in-flight transfer finish now, failing loads and/or stores; reported at the next step."""
+
+    @abc.abstractmethod
+    def store_contents(self) -> StoreSnapshot:
+        """Return the offload store's contents."""
+
+    @abc.abstractmethod
+    def computed_kv(self, request_id: str) -> torch.Tensor:
+        """Return the GPU KV rows `[num_computed_tokens, token_width]` of a running request."""
+
+    @abc.abstractmethod
+    def resource_usage(self) -> ResourceUsage:
+        """Return the counters that must be zero when idle."""
+
+    def close(self) -> None:
+        """Release resources; the default does nothing."""

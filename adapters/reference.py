@@ -1,0 +1,100 @@
+"""The reference adapter: the reference engine behind the adapter contract."""
+
+from __future__ import annotations
+
+import torch
+
+import kvconform
+from kvconform.adapters.contract import (
+    BlockRef,
+    Capabilities,
+    EngineConfig,
+    KVConnectorAdapter,
+    LoadJob,
+    MatchAnswer,
+    RequestSpec,
+    ResourceUsage,
+    StepObservation,
+    StoreJob,
+    StoreSnapshot,
+)
+from kvconform.reference.engine import Engine, StepResult
+
+
+class ReferenceAdapter(KVConnectorAdapter):
+    """Drives `kvconform.reference.engine.Engine`; supports every capability."""
+
+    name = "reference"
+    engine_class = Engine
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.engine: Engine | None = None
+
+    def implementation_version(self) -> str:
+        return kvconform.__version__
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities()
+
+    def start(self, config: EngineConfig) -> None:
+        self.engine = self.engine_class(config, self.device)
+
+    def add_request(self, request: RequestSpec) -> None:
+        self.engine.add_request(request)
+
+    def step(self) -> StepObservation:
+        return self.observe(self.engine.step())
+
+    def observe(self, result: StepResult) -> StepObservation:
+        """Translate a reference step into the contract's vocabulary."""
+        trace = result.trace
+        origin = self.engine.connector.key_origin
+        return StepObservation(
+            scheduled_tokens=result.scheduled_tokens,
+            computed_tokens=result.computed_tokens,
+            match_answers=tuple(MatchAnswer(request_id=r, local_hit_tokens=local, external_tokens=ext, load_async=a)
+                                for r, local, ext, a in trace.answers),
+            lookups={r: tuple(indices) for r, indices in trace.lookups.items()},
+            loads=tuple(LoadJob(request_id=r, offload_indices=tuple(i), first_gpu_block=first, num_gpu_blocks=n)
+                        for r, i, first, n in trace.loads),
+            store_offers=tuple(StoreJob(request_id=r, offload_indices=tuple(i)) for r, i in trace.store_offers),
+            stores=tuple(StoreJob(request_id=r, offload_indices=tuple(i)) for r, i in trace.stores),
+            evicted=tuple(BlockRef(request_id=origin[key][0], index=origin[key][1]) for key in trace.evicted),
+            finished=tuple(result.finished),
+            freed=tuple(result.freed),
+            forward_writes=frozenset(result.forward_writes),
+            store_reads_in_flight=frozenset(result.store_reads_in_flight),
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        self.engine.preempt(request_id)
+
+    def reset_prefix_cache(self, reset_connector: bool) -> bool:
+        return self.engine.reset_prefix_cache(reset_connector)
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        self.engine.complete_transfers(fail_loads, fail_stores)
+
+    def store_contents(self) -> StoreSnapshot:
+        origin = self.engine.connector.key_origin
+        ready, storing = set(), set()
+        for key, block in self.engine.manager.contents():
+            request_id, index = origin[key]
+            (ready if block.is_ready else storing).add(BlockRef(request_id=request_id, index=index))
+        return StoreSnapshot(ready=frozenset(ready), storing=frozenset(storing))
+
+    def computed_kv(self, request_id: str) -> torch.Tensor:
+        return self.engine.computed_kv(request_id)
+
+    def resource_usage(self) -> ResourceUsage:
+        engine = self.engine
+        return ResourceUsage(
+            used_gpu_blocks=engine.kv.pool.num_blocks - 1 - engine.kv.pool.num_free_blocks,
+            pinned_offload_blocks=engine.manager.num_pinned(),
+            jobs_in_flight=engine.in_flight_job_count(),
+            unfinished_requests=sum(1 for r in engine.requests.values() if not r.is_finished),
+        )

@@ -1,0 +1,1 @@
+"""The conformance kit: state machine, checks, vectors, pytest plugin and runner."""

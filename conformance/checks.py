@@ -1,0 +1,309 @@
+"""The checks: each compares one observation of the adapter under test with the reference, or checks
+an absolute rule, and names the clause it enforces (spec chapter `conformance`).
+
+A check raises `ClauseViolation`. Checks run in the order they are registered: absolute rules first,
+then specific differential comparisons, then the generic ones, so a failure names the most specific
+clause that explains it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kvconform.adapters.contract import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreSnapshot
+from kvconform.reference import kv_content
+from kvconform.reference.engine import Engine
+from kvconform.reference.request import RequestStatus
+
+Kind = Literal["step", "store", "data", "drain"]
+
+
+class ClauseViolation(AssertionError):
+    """The adapter under test broke a clause; `clause` is its ID."""
+
+    def __init__(self, clause: str, message: str) -> None:
+        super().__init__(f"[{clause}] {message}")
+        self.clause = clause
+        self.detail = message
+
+
+@dataclass
+class Check:
+    name: str
+    clauses: tuple[str, ...]
+    kind: Kind
+    function: Callable[..., None]
+    doc: str
+
+
+CHECKS: dict[str, Check] = {}
+
+
+def check(*clauses: str, kind: Kind = "step") -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register a check for `clauses`; its first docstring line says what it verifies."""
+
+    def register(function: Callable[..., None]) -> Callable[..., None]:
+        doc = (function.__doc__ or "").strip().splitlines()[0]
+        CHECKS[function.__name__] = Check(function.__name__, clauses, kind, function, doc)
+        return function
+
+    return register
+
+
+def checks_of(kind: Kind) -> list[Check]:
+    return [c for c in CHECKS.values() if c.kind == kind]
+
+
+@dataclass
+class Context:
+    """What checks may consult besides the two observations: the config, the requests, the oracle."""
+
+    config: EngineConfig
+    requests: dict[str, RequestSpec]
+    oracle: Engine
+    previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
+    exercised: dict[str, int] = field(default_factory=dict)
+
+    def identity(self, ref: BlockRef) -> bytes:
+        """Return the block hash that a `BlockRef` stands for (CONF-OBS-2)."""
+        request = self.oracle.requests.get(ref.request_id)
+        position = (ref.index + 1) * self.config.block_size_factor - 1
+        if request is None or position >= len(request.block_hashes):
+            raise ClauseViolation("CONF-OBS-2", f"{ref!r} names no full offloaded block of a known request")
+        return request.block_hashes[position]
+
+    def identities(self, refs: Iterable[BlockRef]) -> set[bytes]:
+        return {self.identity(ref) for ref in refs}
+
+    def exercise(self, clause: str) -> None:
+        self.exercised[clause] = self.exercised.get(clause, 0) + 1
+
+
+def _differ(clause: str, what: str, ref: object, sut: object) -> None:
+    if ref != sut:
+        raise ClauseViolation(clause, f"{what}: reference {ref!r}, adapter {sut!r}")
+
+
+def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
+    grouped: dict[str, list[tuple[int, ...]]] = {}
+    for job in jobs:
+        grouped.setdefault(job.request_id, []).append(tuple(job.offload_indices))
+    return grouped
+
+
+# --- absolute rules on the adapter's own observation ------------------------------------------
+
+
+@check("OFF-READ-1", "OFF-READ-2")
+def check_skip_read(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A skip-read request is never looked up, reports 0 tokens and gets no load."""
+    skipping = {rid for rid, spec in ctx.requests.items() if spec.skip_reading_prefix_cache}
+    for request_id in skipping & set(sut.lookups):
+        raise ClauseViolation("OFF-READ-1", f"request {request_id!r} skips reading cached KV but the store was "
+                                            f"looked up for offloaded blocks {sut.lookups[request_id]}")
+    for answer in sut.match_answers:
+        if answer.request_id in skipping:
+            ctx.exercise("OFF-READ-1")
+            if answer.external_tokens not in (0, None) or answer.load_async:
+                raise ClauseViolation("OFF-READ-2", f"skip-read request answered {answer!r}; expected 0 tokens, sync")
+    for load in sut.loads:
+        if load.request_id in skipping:
+            raise ClauseViolation("OFF-READ-2", f"skip-read request got a load {load!r}")
+
+
+@check("CONN-MATCH-2", "CONN-MATCH-3")
+def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A 0-token answer is synchronous; local plus external hit never exceeds the request's tokens."""
+    for answer in sut.match_answers:
+        ctx.exercise("CONN-MATCH-2")
+        if answer.external_tokens == 0 and answer.load_async:
+            raise ClauseViolation("CONN-MATCH-2", f"{answer!r}: a 0-token answer must have load_async=False")
+        total = ctx.oracle.requests[answer.request_id].num_tokens
+        if answer.external_tokens is not None and answer.local_hit_tokens + answer.external_tokens > total:
+            raise ClauseViolation("CONN-MATCH-3", f"{answer!r} exceeds the request's {total} tokens")
+
+
+@check("PFX-HIT-3")
+def check_last_token_computed(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Every scheduled request computes at least one token: hits never cover the last prompt token."""
+    for request_id, num_tokens in sut.scheduled_tokens.items():
+        ctx.exercise("PFX-HIT-3")
+        if num_tokens < 1:
+            raise ClauseViolation("PFX-HIT-3", f"request {request_id!r} was scheduled {num_tokens} tokens: its "
+                                               "hit covered every token, so the last one was never recomputed")
+
+
+@check("CONN-LOAD-2")
+def check_no_redundant_load(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A load never targets GPU blocks the local prefix cache already hit."""
+    local = {a.request_id: a.local_hit_tokens for a in sut.match_answers}
+    for load in sut.loads:
+        ctx.exercise("CONN-LOAD-2")
+        hit_blocks = local.get(load.request_id, 0) // ctx.config.block_size
+        if load.first_gpu_block < hit_blocks:
+            raise ClauseViolation("CONN-LOAD-2", f"{load!r} reloads GPU blocks below the local hit of {hit_blocks} blocks")
+
+
+@check("XFER-SAFE-1")
+def check_no_overwrite_in_flight(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The forward never writes a GPU block that an in-flight store still reads."""
+    if sut.store_reads_in_flight:
+        ctx.exercise("XFER-SAFE-1")
+    clash = sut.forward_writes & sut.store_reads_in_flight
+    if clash:
+        raise ClauseViolation("XFER-SAFE-1", f"forward wrote GPU blocks {sorted(clash)} while stores still read them")
+
+
+@check("OFF-MGR-7")
+def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """prepare_store never evicts a block it was asked to store and already held."""
+    kept = ctx.identities(BlockRef(request_id=o.request_id, index=i) for o in sut.store_offers for i in o.offload_indices)
+    kept &= ctx.identities(ctx.previous_store.ready)
+    if kept and sut.evicted:
+        ctx.exercise("OFF-MGR-7")
+    lost = (kept & ctx.identities(sut.evicted)) - ctx.identities(ref.evicted)
+    if lost:
+        raise ClauseViolation("OFF-MGR-7", f"evicted {len(lost)} block(s) that were offered to the store and already "
+                                           f"held, which the reference kept: evicted {sut.evicted}")
+
+
+@check("OFF-STORE-2")
+def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Every block written to the store was offered for that request in the same step."""
+    offered = {(o.request_id, i) for o in sut.store_offers for i in o.offload_indices}
+    for store in sut.stores:
+        ctx.exercise("OFF-STORE-2")
+        extra = [i for i in store.offload_indices if (store.request_id, i) not in offered]
+        if extra:
+            raise ClauseViolation("OFF-STORE-2", f"{store!r} writes blocks {extra} that were never offered")
+
+
+# --- differential comparisons, most specific first --------------------------------------------
+
+
+@check("OFF-READ-3")
+def check_skip_read_still_stores(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A skip-read request's computed blocks are offered to the store exactly as for any request."""
+    skipping = {rid for rid, spec in ctx.requests.items() if spec.skip_reading_prefix_cache}
+    ref_offers = {r: v for r, v in _by_request(ref.store_offers).items() if r in skipping}
+    sut_offers = {r: v for r, v in _by_request(sut.store_offers).items() if r in skipping}
+    if ref_offers:
+        ctx.exercise("OFF-READ-3")
+    _differ("OFF-READ-3", "blocks of skip-read requests offered to the store", ref_offers, sut_offers)
+
+
+@check("CONN-MATCH-1")
+def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """get_num_new_matched_tokens gives the reference's answers (local hit, external tokens, async flag)."""
+    if ref.match_answers:
+        ctx.exercise("CONN-MATCH-1")
+    _differ("CONN-MATCH-1", "matched-token answers", sorted(ref.match_answers, key=repr), sorted(sut.match_answers, key=repr))
+
+
+@check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
+def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The store is looked up from the first block past the local hit, in order, up to the first miss."""
+    for request_id in sorted(set(ref.lookups) | set(sut.lookups)):
+        expected, actual = ref.lookups.get(request_id, ()), sut.lookups.get(request_id, ())
+        ctx.exercise("OFF-LOOKUP-1")
+        if expected and actual[: len(expected)] == expected and len(actual) > len(expected):
+            raise ClauseViolation("OFF-LOOKUP-2", f"request {request_id!r}: lookups went on past the first miss at "
+                                                  f"block {expected[-1]}: looked up {actual}")
+        _differ("OFF-LOOKUP-1", f"offloaded blocks looked up for {request_id!r}", expected, actual)
+
+
+@check("XFER-LOAD-2")
+def check_loads(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Load jobs cover the reference's offloaded blocks and GPU block range."""
+    if ref.loads:
+        ctx.exercise("XFER-LOAD-2")
+    _differ("XFER-LOAD-2", "load jobs", sorted(ref.loads, key=repr), sorted(sut.loads, key=repr))
+
+
+@check("OFF-STORE-1")
+def check_store_offers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Every newly full, computed offloaded block is offered to the store in the step the reference does."""
+    if ref.store_offers:
+        ctx.exercise("OFF-STORE-1")
+    _differ("OFF-STORE-1", "blocks offered to the store", _by_request(ref.store_offers), _by_request(sut.store_offers))
+
+
+@check("OFF-STORE-3")
+def check_store_writes(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The store writes exactly the offered blocks it does not already hold."""
+    if ref.stores:
+        ctx.exercise("OFF-STORE-3")
+    _differ("OFF-STORE-3", "blocks written to the store", _by_request(ref.stores), _by_request(sut.stores))
+
+
+@check("OFF-LRU-1", "OFF-ARC-1")
+def check_evictions(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The store evicts the blocks the configured policy (LRU or ARC) picks."""
+    clause = "OFF-LRU-1" if ctx.config.eviction_policy == "lru" else "OFF-ARC-1"
+    if ref.evicted:
+        ctx.exercise(clause)
+    _differ(clause, "evicted blocks", ctx.identities(ref.evicted), ctx.identities(sut.evicted))
+
+
+@check("SCHED-STEP-2")
+def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Each request is scheduled the reference's number of tokens and ends the step with its computed count."""
+    ctx.exercise("SCHED-STEP-2")
+    _differ("SCHED-STEP-2", "scheduled tokens", ref.scheduled_tokens, sut.scheduled_tokens)
+    _differ("SCHED-STEP-2", "computed tokens after the step", ref.computed_tokens, sut.computed_tokens)
+
+
+@check("LIFE-FIN-1")
+def check_finished(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Requests finish in the step the reference finishes them."""
+    if ref.finished:
+        ctx.exercise("LIFE-FIN-1")
+    _differ("LIFE-FIN-1", "finished requests", sorted(ref.finished), sorted(sut.finished))
+
+
+# --- store contents and data -------------------------------------------------------------------
+
+
+@check("OFF-MGR-1", kind="store")
+def check_store_contents(ctx: Context, ref: StoreSnapshot, sut: StoreSnapshot) -> None:
+    """The store holds the reference's blocks, each readable or still being stored as in the reference."""
+    ctx.exercise("OFF-MGR-1")
+    _differ("OFF-MGR-1", "readable store blocks", ctx.identities(ref.ready), ctx.identities(sut.ready))
+    _differ("OFF-MGR-1", "blocks being stored", ctx.identities(ref.storing), ctx.identities(sut.storing))
+
+
+@check("XFER-DATA-1", kind="data")
+def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> None:
+    """The GPU bytes of a running request's computed tokens equal the KV content function's."""
+    request = ctx.oracle.requests[request_id]
+    if request.status is not RequestStatus.RUNNING:
+        return
+    ctx.exercise("XFER-DATA-1")
+    expected = kv_content.kv_values(request.token_states(request.num_computed_tokens, ctx.oracle.runner_tokens(request)),
+                                    ctx.config.token_width, kv.dtype)
+    if kv.shape != expected.shape:
+        raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV of shape {tuple(kv.shape)}, "
+                                             f"expected {tuple(expected.shape)}")
+    wrong = (kv != expected).any(dim=1).nonzero().flatten().tolist()
+    if wrong:
+        raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong[:8]} differ "
+                                             "from what the forward wrote for that prefix (corrupt, stale or misplaced load)")
+
+
+# --- once the engine is drained ----------------------------------------------------------------
+
+
+@check("LIFE-LIVE-1", "LIFE-LEAK-1", kind="drain")
+def check_drained(ctx: Context, usage, steps: int) -> None:
+    """Once transfers complete and no request is left, nothing stays allocated, pinned or in flight."""
+    ctx.exercise("LIFE-LEAK-1")
+    if usage.unfinished_requests:
+        raise ClauseViolation("LIFE-LIVE-1", f"{usage.unfinished_requests} request(s) still unfinished after "
+                                             f"{steps} drain steps with every transfer completed")
+    leaks = {name: value for name, value in usage.model_dump().items() if value}
+    if leaks:
+        raise ClauseViolation("LIFE-LEAK-1", f"engine idle but still holds {leaks}")

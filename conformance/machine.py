@@ -1,0 +1,216 @@
+"""The conformance state machine: drives an adapter and the reference side by side (chapter `conformance`).
+
+Rules are named after the adapter operation they perform, so a shrunk failure reads as a call trace.
+After every rule the observations of both are compared by the registered checks (`checks.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import note
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from kvconform.adapters.contract import Capabilities, EngineConfig, KVConnectorAdapter, RequestSpec, StepObservation
+from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.conformance.checks import ClauseViolation, Context, checks_of
+from kvconform.reference.request import RequestStatus
+
+BASE_PROMPTS = tuple(tuple((seed * 5 + i * (seed + 2)) % 4 for i in range(40)) for seed in range(3))
+"""Shared prompt prefixes: requests draw prefixes of these so that prefix and offload hits really happen."""
+
+MAX_LIVE_REQUESTS = 5
+DRAIN_STEP_LIMIT = 64
+
+
+@st.composite
+def engine_configs(draw: st.DrawFn, capabilities: Capabilities) -> EngineConfig:
+    """Draw an engine configuration within what the adapter claims (CONF-CAP-1)."""
+    return EngineConfig(
+        block_size=4,
+        num_gpu_blocks=draw(st.sampled_from((16, 20, 64)), label="num_gpu_blocks"),
+        block_size_factor=draw(st.sampled_from(sorted(capabilities.block_size_factors)), label="factor"),
+        num_offload_blocks=draw(st.integers(2, 8), label="num_offload_blocks"),
+        eviction_policy=draw(st.sampled_from(sorted(capabilities.eviction_policies)), label="policy"),
+        async_scheduling=draw(st.booleans(), label="async") if capabilities.async_scheduling else False,
+        max_num_batched_tokens=draw(st.sampled_from((16, 256)), label="token_budget"),
+    )
+
+
+@st.composite
+def prompts(draw: st.DrawFn, earlier: tuple[tuple[int, ...], ...] = ()) -> tuple[int, ...]:
+    """Draw an earlier prompt again, or a prefix of a shared base prompt with an optional private suffix."""
+    if earlier and draw(st.booleans(), label="repeat"):
+        return draw(st.sampled_from(earlier), label="earlier_prompt")
+    base = draw(st.sampled_from(BASE_PROMPTS), label="base")
+    length = draw(st.integers(1, len(base)), label="prefix_length")
+    suffix = draw(st.lists(st.integers(0, 3), max_size=4), label="suffix")
+    return base[:length] + tuple(suffix)
+
+
+class ConnectorStateMachine(RuleBasedStateMachine):
+    """Compares an adapter under test with the reference; subclass via `machine_for`."""
+
+    adapter_factory: Callable[[], KVConnectorAdapter] = ReferenceAdapter
+    coverage: dict[str, int] = {}
+    on_example: Callable[[], None] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sut: KVConnectorAdapter | None = None
+        self.oracle: ReferenceAdapter | None = None
+        self.ctx: Context | None = None
+        self.capabilities = Capabilities()
+        self.next_id = 0
+        self.violated = False
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def fail(self, violation: ClauseViolation) -> ClauseViolation:
+        """Mark the run as failed so teardown does not drain over the failure, and return the violation."""
+        self.violated = True
+        return violation
+
+    def call(self, operation: str, *args: Any) -> Any:
+        """Call the adapter; anything it raises is a failure of CONF-CALL-1 naming the call."""
+        try:
+            return getattr(self.sut, operation)(*args)
+        except Exception as error:
+            raise self.fail(ClauseViolation("CONF-CALL-1", f"adapter.{operation}{args!r} raised "
+                                                           f"{type(error).__name__}: {error}")) from error
+
+    def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
+        try:
+            self._compare_step(expected, actual)
+        except ClauseViolation as violation:
+            raise self.fail(violation) from None
+
+    def unfinished(self) -> list[str]:
+        return sorted(r for r, req in self.oracle.engine.requests.items() if not req.is_finished)
+
+    def running(self) -> list[str]:
+        return sorted(r for r, req in self.oracle.engine.requests.items() if req.status is RequestStatus.RUNNING)
+
+    def _compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
+        for each in checks_of("step"):
+            each.function(self.ctx, expected, actual)
+        store = self.oracle.store_contents()
+        for each in checks_of("store"):
+            each.function(self.ctx, store, self.call("store_contents"))
+        self.ctx.previous_store = store
+        if self.capabilities.reads_kv:
+            for request_id in self.running():
+                kv = self.call("computed_kv", request_id)
+                for each in checks_of("data"):
+                    each.function(self.ctx, request_id, kv)
+
+    # --- rules -------------------------------------------------------------------------------
+
+    @initialize(data=st.data())
+    def start(self, data: st.DataObject) -> None:
+        if self.on_example is not None:
+            self.on_example()
+        self.sut = self.adapter_factory()
+        self.capabilities = self.sut.capabilities()
+        config = data.draw(engine_configs(self.capabilities), label="config")
+        note(f"state.start({config!r})")
+        self.oracle = ReferenceAdapter()
+        self.oracle.start(config)
+        self.call("start", config)
+        self.ctx = Context(config, {}, self.oracle.engine, exercised=type(self).coverage)
+
+    @precondition(lambda self: len(self.unfinished()) < MAX_LIVE_REQUESTS)
+    @rule(data=st.data())
+    def add_request(self, data: st.DataObject) -> None:
+        spec = RequestSpec(
+            request_id=f"r{self.next_id}",
+            prompt=data.draw(prompts(tuple(s.prompt for s in self.ctx.requests.values())), label="prompt"),
+            max_tokens=data.draw(st.integers(1, 6), label="max_tokens"),
+            skip_reading_prefix_cache=data.draw(st.booleans(), label="skip_reading_prefix_cache"),
+            cache_salt=data.draw(st.sampled_from((None, None, "tenant-a", "tenant-b")), label="cache_salt"),
+            lora_name=data.draw(st.sampled_from((None, None, "lora-x")), label="lora_name"),
+        )
+        note(f"state.add_request({spec!r})")
+        self.next_id += 1
+        self.ctx.requests[spec.request_id] = spec
+        self.oracle.add_request(spec)
+        self.call("add_request", spec)
+
+    @rule()
+    def step(self) -> None:
+        note("state.step()")
+        expected = self.oracle.step()
+        self.compare_step(expected, self.call("step"))
+
+    @rule(fail_loads=st.booleans(), fail_stores=st.booleans())
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        fail_loads &= self.capabilities.transfer_failures
+        fail_stores &= self.capabilities.transfer_failures
+        note(f"state.complete_transfers(fail_loads={fail_loads}, fail_stores={fail_stores})")
+        self.oracle.complete_transfers(fail_loads, fail_stores)
+        self.call("complete_transfers", fail_loads, fail_stores)
+
+    @precondition(lambda self: self.capabilities.abort and self.unfinished())
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(self.unfinished()), label="request_id")
+        note(f"state.abort({request_id!r})")
+        self.oracle.abort(request_id)
+        self.call("abort", request_id)
+
+    @precondition(lambda self: self.capabilities.preemption and self.running())
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(self.running()), label="request_id")
+        note(f"state.preempt({request_id!r})")
+        self.oracle.preempt(request_id)
+        self.call("preempt", request_id)
+
+    @rule(reset_connector=st.booleans())
+    def reset_prefix_cache(self, reset_connector: bool) -> None:
+        reset_connector &= self.capabilities.reset_connector
+        note(f"state.reset_prefix_cache(reset_connector={reset_connector})")
+        expected = self.oracle.reset_prefix_cache(reset_connector)
+        actual = self.call("reset_prefix_cache", reset_connector)
+        self.ctx.exercise("PFX-RESET-1")
+        if expected != actual:
+            raise self.fail(ClauseViolation("PFX-RESET-1", f"reset_prefix_cache returned {actual!r}, "
+                                                           f"reference {expected!r}"))
+
+    def teardown(self) -> None:
+        """Drain: complete every transfer and step until the reference is idle, then check for leaks."""
+        try:
+            if self.ctx is not None and not self.violated:
+                self.drain()
+        finally:
+            if self.sut is not None:
+                self.sut.close()
+
+    def drain(self) -> None:
+        steps = 0
+        while steps < DRAIN_STEP_LIMIT and (self.unfinished() or self.oracle.engine.in_flight_job_count()
+                                            or self.oracle.engine.in_flight is not None):
+            self.oracle.complete_transfers(False, False)
+            self.call("complete_transfers", False, False)
+            self.compare_step(self.oracle.step(), self.call("step"))
+            steps += 1
+        for each in checks_of("drain"):
+            each.function(self.ctx, self.oracle.resource_usage(), steps)
+            each.function(self.ctx, self.call("resource_usage"), steps)
+
+
+def machine_for(
+    adapter_factory: Callable[[], KVConnectorAdapter],
+    coverage: dict[str, int] | None = None,
+    on_example: Callable[[], None] | None = None,
+) -> type[ConnectorStateMachine]:
+    """Return a state-machine class that tests the adapters `adapter_factory` builds."""
+    name = getattr(adapter_factory, "__name__", "Adapter")
+    namespace = {
+        "adapter_factory": staticmethod(adapter_factory),
+        "coverage": {} if coverage is None else coverage,
+        "on_example": None if on_example is None else staticmethod(on_example),
+    }
+    return type(f"ConnectorStateMachine_{name}", (ConnectorStateMachine,), namespace)

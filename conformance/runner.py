@@ -1,0 +1,74 @@
+"""Run the conformance state machine against one adapter and collect a verdict per clause."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hypothesis import reporting
+from hypothesis.errors import HypothesisException
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.machine import machine_for
+from kvconform.conformance.profiles import profile_settings
+
+
+@dataclass
+class RunResult:
+    """The outcome of one conformance run."""
+
+    adapter: str
+    profile: str
+    seed: int | None
+    passed: bool
+    seconds: float
+    coverage: dict[str, int] = field(default_factory=dict)
+    failed_clause: str | None = None
+    message: str | None = None
+    counterexample: str | None = None
+
+    @property
+    def counterexample_requests(self) -> int:
+        """Return how many requests the shrunk counterexample adds."""
+        return (self.counterexample or "").count("state.add_request(RequestSpec(")
+
+
+def run(
+    adapter_factory: Callable[[], KVConnectorAdapter],
+    adapter_name: str,
+    profile: str = "ci",
+    seed: int | None = None,
+    on_example: Callable[[], None] | None = None,
+) -> RunResult:
+    """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample."""
+    coverage: dict[str, int] = {}
+    machine = machine_for(adapter_factory, coverage, on_example)
+    if seed is not None:
+        machine._hypothesis_internal_use_seed = seed
+    output = io.StringIO()
+    started = time.perf_counter()
+    result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, coverage=coverage)
+    try:
+        with reporting.with_reporter(lambda text: output.write(f"{text}\n")):
+            run_state_machine_as_test(machine, settings=profile_settings(profile, seed is not None))
+    except ClauseViolation as violation:
+        result.passed = False
+        result.failed_clause = violation.clause
+        result.message = violation.detail
+        result.counterexample = _steps([*getattr(violation, "__notes__", []), output.getvalue()])
+    except HypothesisException as error:
+        result.passed = False
+        result.failed_clause = "CONF-RUN-1"
+        result.message = f"{type(error).__name__}: {error}"
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _steps(reports: list[str]) -> str:
+    """Keep the replayable program from Hypothesis's report: the `state...` lines, one per call."""
+    lines = [line.strip() for text in reports for line in text.splitlines()]
+    return "\n".join(line for line in lines if line.startswith("state") and "data=data(" not in line)

@@ -1,0 +1,329 @@
+"""The offload connector: scheduler side and worker side (spec chapters `connector` and `transfer`).
+
+The scheduler side decides what to load and store each step; the worker side moves the bytes.
+Offloaded block `i` of a request spans its GPU blocks `i*factor .. i*factor+factor-1` and is keyed
+by the block hash of the last of them (OFF-KEY-1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvconform.reference.offload_manager import OffloadKey, OffloadManager
+from kvconform.reference.recorder import StepRecorder
+from kvconform.reference.request import Request
+from kvconform.reference.transfer import TransferEngine
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class TransferJob:
+    """One load or store: offloaded blocks of one request and the GPU blocks they map to."""
+
+    job_id: int
+    request_id: str
+    is_store: bool
+    keys: list[OffloadKey]
+    offload_indices: list[int]
+    gpu_blocks: list[int]
+    rows: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """What the scheduler decided in one step, as the connector sees it."""
+
+    num_scheduled_tokens: dict[str, int]
+    requests: dict[str, Request]
+    block_ids: dict[str, list[int]]
+    allocated_block_ids: set[int]
+    preempted_request_ids: set[str]
+
+
+@dataclass
+class ConnectorMetadata:
+    """The per-step instructions for the worker side (CONN-STEP-3)."""
+
+    load_jobs: list[TransferJob]
+    store_jobs: list[TransferJob]
+    jobs_to_flush: set[int]
+
+
+@dataclass
+class ConnectorOutput:
+    """What the worker side reports back: finished jobs and whether each succeeded (CONN-STEP-4)."""
+
+    finished_jobs: dict[int, bool] = field(default_factory=dict)
+
+
+@dataclass
+class ConnectorUpdate:
+    """The scheduler-visible effect of a connector output."""
+
+    loads_done: dict[str, bool] = field(default_factory=dict)
+    released: set[str] = field(default_factory=set)
+
+
+@dataclass
+class RequestOffloadState:
+    request: Request
+    num_local_tokens: int = 0
+    next_stored_index: int = 0
+    transfer_jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+class OffloadConnectorScheduler:
+    """Scheduler side of the connector (chapter `connector`)."""
+
+    def __init__(self, manager: OffloadManager, block_size: int, block_size_factor: int, recorder: StepRecorder):
+        self.manager = manager
+        self.block_size = block_size
+        self.factor = block_size_factor
+        self.offloaded_block_size = block_size * block_size_factor
+        self.recorder = recorder
+        self.states: dict[str, RequestOffloadState] = {}
+        self.jobs: dict[int, TransferJob] = {}
+        self.job_counter = 0
+        self.stale_job_threshold = 0
+        self.keys_being_loaded: set[OffloadKey] = set()
+        self.store_jobs_by_gpu_block: dict[int, set[int]] = {}
+        self.pending_loads: list[TransferJob] = []
+        self.pending_flushes: set[int] = set()
+        self.key_origin: dict[OffloadKey, tuple[str, int]] = {}
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def offload_keys(self, request: Request) -> list[OffloadKey]:
+        """Return the keys of the request's full offloaded blocks (OFF-KEY-1)."""
+        return request.block_hashes[self.factor - 1 :: self.factor]
+
+    def _new_job(self, state: RequestOffloadState, is_store: bool, indices: list[int], keys: list[OffloadKey],
+                 gpu_blocks: list[int], rows: list[int]) -> TransferJob:
+        job = TransferJob(self.job_counter, state.request.request_id, is_store, keys, indices, gpu_blocks, rows)
+        self.job_counter += 1
+        self.jobs[job.job_id] = job
+        state.transfer_jobs.add(job.job_id)
+        return job
+
+    # --- the six scheduler-side calls ----------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """Start tracking a request; every request is tracked, skip flag or not (OFF-READ-3)."""
+        self.states[request.request_id] = RequestOffloadState(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Return the tokens loadable beyond the local hit and whether the load is async (CONN-MATCH-1..4)."""
+        state = self.states[request.request_id]
+        if state.transfer_jobs:
+            return None, False
+        state.num_local_tokens = num_computed_tokens
+        if request.skip_reading_prefix_cache:
+            num_hit_tokens: int | None = 0
+        else:
+            num_hit_tokens = self._lookup(state)
+        self.manager.touch(self.offload_keys(request))
+        return num_hit_tokens, bool(num_hit_tokens)
+
+    def _lookup(self, state: RequestOffloadState) -> int | None:
+        """Return the loadable tokens: the run of readable offloaded blocks after the local hit (OFF-LOOKUP-1..4)."""
+        request, block = state.request, self.offloaded_block_size
+        keys = self.offload_keys(request)
+        max_hit = min(request.num_tokens, len(keys) * block)
+        if max_hit - state.num_local_tokens < block:
+            return 0
+        start = state.num_local_tokens // block
+        hits, deferred = 0, False
+        for index in range(start, cdiv(max_hit, block)):
+            self.recorder.lookups.setdefault(request.request_id, []).append(index)
+            found = self.manager.lookup(keys[index])
+            if found is False:
+                break
+            deferred |= found is None
+            hits += 1
+        if hits == 0:
+            return 0
+        if deferred:
+            return None
+        num_hit_tokens = min(max_hit, block * (start + hits)) - state.num_local_tokens
+        if num_hit_tokens < block:
+            return 0
+        if not self.keys_being_loaded.isdisjoint(keys[start : cdiv(state.num_local_tokens + num_hit_tokens, block)]):
+            return None
+        return num_hit_tokens
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Create the load job for the external hit into the request's pending GPU blocks (CONN-ALLOC-1, XFER-LOAD-2)."""
+        if num_external_tokens == 0:
+            return
+        state = self.states[request.request_id]
+        num_cached = state.num_local_tokens + num_external_tokens
+        first_gpu = state.num_local_tokens // self.block_size
+        num_gpu = cdiv(num_cached, self.block_size)
+        indices = list(range(first_gpu // self.factor, cdiv(num_cached, self.offloaded_block_size)))
+        keys = [self.offload_keys(request)[index] for index in indices]
+        slot_of = dict(zip(indices, self.manager.prepare_load(keys)))
+        rows = [slot_of[p // self.factor] * self.factor + p % self.factor for p in range(first_gpu, num_gpu)]
+        job = self._new_job(state, False, indices, keys, list(block_ids[first_gpu:num_gpu]), rows)
+        self.pending_loads.append(job)
+        self.keys_being_loaded.update(keys)
+        self.recorder.loads.append((request.request_id, indices, first_gpu, num_gpu - first_gpu))
+
+    def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
+        """Return this step's loads, stores and flushes (CONN-STEP-3, LIFE-FREE-2)."""
+        flush = self.pending_flushes
+        for request_id in output.preempted_request_ids:
+            state = self.states.get(request_id)
+            if state is not None:
+                flush |= {job_id for job_id in state.transfer_jobs if self.jobs[job_id].is_store}
+        for block_id in output.allocated_block_ids & self.store_jobs_by_gpu_block.keys():
+            flush |= self.store_jobs_by_gpu_block[block_id]
+        meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output), flush)
+        self.pending_loads, self.pending_flushes = [], set()
+        return meta
+
+    def _build_store_jobs(self, output: SchedulerOutput) -> list[TransferJob]:
+        """Offer every newly full, computed offloaded block to the store (OFF-STORE-1..4)."""
+        jobs = []
+        for request_id, num_scheduled in output.num_scheduled_tokens.items():
+            state = self.states.get(request_id)
+            if state is None:
+                continue
+            request = state.request
+            num_offloadable = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
+            end = num_offloadable // self.offloaded_block_size
+            if end <= state.next_stored_index:
+                continue
+            indices = list(range(state.next_stored_index, end))
+            all_keys = self.offload_keys(request)
+            offered = [all_keys[index] for index in indices]
+            self.recorder.store_offers.append((request_id, indices))
+            prepared = self.manager.prepare_store(offered)
+            if prepared is None:
+                continue
+            state.next_stored_index = end
+            self.recorder.evicted.extend(prepared.evicted)
+            if not prepared.keys_to_store:
+                continue
+            self.manager.touch(all_keys)
+            jobs.append(self._store_job(state, output.block_ids[request_id], indices, offered, prepared.keys_to_store,
+                                        prepared.slots))
+        return jobs
+
+    def _store_job(self, state: RequestOffloadState, block_ids: list[int], indices: list[int],
+                   offered: list[OffloadKey], keys_to_store: list[OffloadKey], slots: list[int]) -> TransferJob:
+        slot_of = dict(zip(keys_to_store, slots))
+        stored = [(index, key) for index, key in zip(indices, offered) if key in slot_of]
+        gpu_blocks, rows = [], []
+        for index, key in stored:
+            gpu_blocks += block_ids[index * self.factor : (index + 1) * self.factor]
+            rows += [slot_of[key] * self.factor + position for position in range(self.factor)]
+        job = self._new_job(state, True, [i for i, _ in stored], [k for _, k in stored], gpu_blocks, rows)
+        self.recorder.stores.append((state.request.request_id, job.offload_indices))
+        for index, key in stored:
+            self.key_origin.setdefault(key, (state.request.request_id, index))
+        return job
+
+    def update_connector_output(self, output: ConnectorOutput) -> ConnectorUpdate:
+        """Apply finished jobs: which loads ended, and which finished requests may now be freed (CONN-STEP-4)."""
+        update = ConnectorUpdate()
+        for job_id, success in output.finished_jobs.items():
+            job = self.jobs.pop(job_id)
+            if job_id >= self.stale_job_threshold:
+                if job.is_store:
+                    self.manager.complete_store(job.keys, success)
+                else:
+                    self.manager.complete_load(job.keys)
+                    self.keys_being_loaded.difference_update(job.keys)
+            for block_id in job.gpu_blocks:
+                self._forget_store_reader(block_id, job_id)
+            if not job.is_store:
+                update.loads_done[job.request_id] = success
+            state = self.states[job.request_id]
+            state.transfer_jobs.discard(job_id)
+            if state.finished and not state.transfer_jobs:
+                del self.states[job.request_id]
+                update.released.add(job.request_id)
+        return update
+
+    def _forget_store_reader(self, block_id: int, job_id: int) -> None:
+        readers = self.store_jobs_by_gpu_block.get(block_id)
+        if readers is not None:
+            readers.discard(job_id)
+            if not readers:
+                del self.store_jobs_by_gpu_block[block_id]
+
+    def request_finished(self, request: Request) -> bool:
+        """Return True to delay freeing the request's GPU blocks (CONN-FIN-1, LIFE-FREE-1..3).
+
+        Pending stores are flushed before their GPU blocks are reused; a pending load delays the free.
+        """
+        state = self.states.get(request.request_id)
+        if state is None or not state.transfer_jobs:
+            self.states.pop(request.request_id, None)
+            return False
+        state.finished = True
+        for job_id in state.transfer_jobs:
+            job = self.jobs[job_id]
+            if job.is_store:
+                for block_id in job.gpu_blocks:
+                    self.store_jobs_by_gpu_block.setdefault(block_id, set()).add(job_id)
+        return any(not self.jobs[job_id].is_store for job_id in state.transfer_jobs)
+
+    def reset_cache(self) -> None:
+        """Empty the store; in-flight jobs are flushed and their completions ignored (OFF-MGR-8)."""
+        self.pending_flushes |= self.jobs.keys()
+        self.manager.reset()
+        self.stale_job_threshold = self.job_counter
+        self.keys_being_loaded.clear()
+        for state in self.states.values():
+            state.next_stored_index = 0
+
+
+class OffloadConnectorWorker:
+    """Worker side of the connector: executes jobs with real tensor copies (chapter `transfer`)."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self.transfer = transfer
+        self.in_flight: dict[int, TransferJob] = {}
+        self.finished: dict[int, bool] = {}
+
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """Before the forward: run the flushed jobs to completion, then submit the loads (LIFE-FREE-2)."""
+        for job_id in sorted(meta.jobs_to_flush & self.in_flight.keys()):
+            self._finish(self.in_flight.pop(job_id), success=True)
+        for job in meta.load_jobs:
+            self.in_flight[job.job_id] = job
+
+    def wait_for_save(self, meta: ConnectorMetadata) -> None:
+        """After the forward: submit this step's stores; their bytes are read when they run (XFER-STORE-1)."""
+        for job in meta.store_jobs:
+            self.in_flight[job.job_id] = job
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        """Run every in-flight job now, with the given outcome per direction (CONN-STEP-4)."""
+        for job_id in sorted(self.in_flight):
+            job = self.in_flight.pop(job_id)
+            self._finish(job, success=not (fail_stores if job.is_store else fail_loads))
+
+    def _finish(self, job: TransferJob, success: bool) -> None:
+        if success:
+            if job.is_store:
+                self.transfer.copy_to_store(job.gpu_blocks, job.rows)
+            else:
+                self.transfer.copy_to_gpu(job.rows, job.gpu_blocks)
+        self.finished[job.job_id] = success
+
+    def store_sources_in_flight(self) -> set[int]:
+        """Return the GPU blocks that in-flight stores will still read (XFER-SAFE-1)."""
+        return {block for job in self.in_flight.values() if job.is_store for block in job.gpu_blocks}
+
+    def get_finished(self) -> ConnectorOutput:
+        """Report the jobs finished since the last call (CONN-STEP-4)."""
+        output = ConnectorOutput(self.finished)
+        self.finished = {}
+        return output

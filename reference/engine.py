@@ -1,0 +1,330 @@
+"""The engine step loop: scheduler, KV-cache manager, connector, model runner (spec chapter `lifecycle`).
+
+One `step()` is: schedule → connector metadata → worker flushes and loads → forward → worker stores
+→ output processing (SCHED-STEP-1). With async scheduling one batch is in flight: the output processed
+in step k is that of step k-1 (SCHED-ASYNC-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvconform.adapters.contract import EngineConfig, RequestSpec
+from kvconform.reference import kv_content
+from kvconform.reference.connector import (
+    ConnectorOutput,
+    OffloadConnectorScheduler,
+    OffloadConnectorWorker,
+    SchedulerOutput,
+)
+from kvconform.reference.errors import InvalidCall
+from kvconform.reference.kv_cache import KVCacheManager
+from kvconform.reference.offload_manager import OffloadManager
+from kvconform.reference.recorder import StepRecorder
+from kvconform.reference.request import Request, RequestStatus
+from kvconform.reference.transfer import TransferEngine
+
+
+@dataclass
+class Batch:
+    """One scheduled step on its way through the model runner."""
+
+    output: SchedulerOutput
+    sampled: dict[str, int]
+    connector_output: ConnectorOutput
+
+
+@dataclass
+class StepResult:
+    """What a step did, for the reference adapter to turn into a `StepObservation`."""
+
+    scheduled_tokens: dict[str, int]
+    computed_tokens: dict[str, int]
+    trace: StepRecorder
+    finished: list[str] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
+    forward_writes: set[int] = field(default_factory=set)
+    store_reads_in_flight: set[int] = field(default_factory=set)
+
+
+class Engine:
+    """The reference engine: the spec's state machine, driven one step at a time."""
+
+    manager_class = OffloadManager
+    connector_class = OffloadConnectorScheduler
+    worker_class = OffloadConnectorWorker
+
+    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size)
+        self.recorder = StepRecorder()
+        self.manager = self.manager_class(config.num_offload_blocks, config.eviction_policy)
+        self.connector = self.connector_class(self.manager, config.block_size, config.block_size_factor, self.recorder)
+        self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
+                                       config.block_size_factor, config.token_width, config.kv_dtype, device)
+        self.worker = self.worker_class(self.transfer)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.loads_done: dict[str, bool] = {}
+        self.delayed_free: set[str] = set()
+        self.preempted_since_schedule: set[str] = set()
+        self.in_flight: Batch | None = None
+        self._step_finished: list[str] = []
+        self._step_freed: list[str] = []
+
+    # --- requests --------------------------------------------------------------------------
+
+    def add_request(self, spec: RequestSpec) -> None:
+        """Queue a new request (LIFE-ADD-1)."""
+        if spec.request_id in self.requests:
+            raise InvalidCall("LIFE-ADD-1", f"request id {spec.request_id!r} was already used")
+        request = Request(spec.request_id, tuple(spec.prompt), spec.max_tokens, self.config.block_size,
+                          spec.skip_reading_prefix_cache, spec.cache_salt, spec.lora_name)
+        self.requests[spec.request_id] = request
+        self.waiting.append(request)
+        self.connector.on_new_request(request)
+
+    def _unfinished(self, request_id: str, clause: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise InvalidCall(clause, f"unknown request id {request_id!r}")
+        if request.is_finished:
+            raise InvalidCall(clause, f"request {request_id!r} has already finished")
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Abort an unfinished request; its blocks are freed unless the connector delays it (LIFE-ABORT-1)."""
+        request = self._unfinished(request_id, "LIFE-ABORT-1")
+        (self.running if request in self.running else self.waiting).remove(request)
+        self._finish(request, RequestStatus.ABORTED)
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request: free its blocks, recompute from scratch later (LIFE-PREEMPT-1)."""
+        request = self._unfinished(request_id, "LIFE-PREEMPT-1")
+        if request.status is not RequestStatus.RUNNING:
+            raise InvalidCall("LIFE-PREEMPT-1", f"request {request_id!r} is not running")
+        self._preempt(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.tokens_to_discard = request.num_output_placeholders
+        request.num_output_placeholders = 0
+        self.waiting.insert(0, request)
+        self.preempted_since_schedule.add(request.request_id)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request: ask the connector, then free or delay (CONN-FIN-1, LIFE-FREE-1)."""
+        request.status = status
+        self._step_finished.append(request.request_id)
+        if self.connector.request_finished(request):
+            self.delayed_free.add(request.request_id)
+        else:
+            self._free(request.request_id)
+
+    def _free(self, request_id: str) -> None:
+        self.kv.free(request_id)
+        self._step_freed.append(request_id)
+
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Reset the local prefix cache, and the offload store if asked (PFX-RESET-1, OFF-MGR-8)."""
+        if reset_connector:
+            self.connector.reset_cache()
+        return self.kv.pool.reset()
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        """Let every in-flight job finish now; results reach the scheduler at the next step (CONN-STEP-4)."""
+        self.worker.complete_transfers(fail_loads, fail_stores)
+
+    # --- the step -----------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """Run one engine step (SCHED-STEP-1)."""
+        output = self._schedule()
+        meta = self.connector.build_connector_meta(output)
+        start_positions = self._advance(output)
+        self.worker.start_load_kv(meta)
+        reads_in_flight = self.worker.store_sources_in_flight()
+        sampled, writes = self._forward(output, start_positions)
+        self.worker.wait_for_save(meta)
+        batch = Batch(output, sampled, self.worker.get_finished())
+        if not self.config.async_scheduling:
+            self._process(batch)
+        else:
+            previous, self.in_flight = self.in_flight, batch
+            if previous is not None:
+                self._process(previous)
+            if not output.num_scheduled_tokens:
+                self.in_flight = None
+                self._process(batch)
+        result = StepResult(dict(output.num_scheduled_tokens), self._computed_tokens(), self.recorder.take(),
+                            self._step_finished, self._step_freed, writes, reads_in_flight)
+        self._step_finished, self._step_freed = [], []
+        return result
+
+    def _computed_tokens(self) -> dict[str, int]:
+        return {rid: r.num_computed_tokens for rid, r in self.requests.items() if not r.is_finished}
+
+    def _schedule(self) -> SchedulerOutput:
+        """Schedule running requests first, then waiting ones, within the token budget (SCHED-ORDER-1)."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        allocated: set[int] = set()
+        preempted = self.preempted_since_schedule
+        self.preempted_since_schedule = set()
+        for request in list(self.running):
+            if request not in self.running or budget == 0:
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or len(request.output) + request.num_output_placeholders >= request.max_tokens:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            if new_blocks is None:
+                break
+            allocated.update(new_blocks)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled, allocated)
+        return SchedulerOutput(scheduled, {rid: self.requests[rid] for rid in scheduled},
+                               {rid: list(self.kv.blocks_of(rid)) for rid in scheduled}, allocated, preempted)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]) -> list[int] | None:
+        """Allocate for a running request, preempting the newest running ones until it fits (SCHED-PREEMPT-1)."""
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new, [], 0, delay_caching=False)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            self.preempted_since_schedule.discard(victim.request_id)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int]) -> int:
+        """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1)."""
+        for request in list(self.waiting):
+            if budget == 0:
+                break
+            if request.status is RequestStatus.WAITING_FOR_LOAD:
+                if request.request_id not in self.loads_done:
+                    continue
+                self._finish_load(request, self.loads_done.pop(request.request_id))
+            local_blocks: list[int] = []
+            num_local = num_external = 0
+            load_async = False
+            if request.num_computed_tokens == 0:
+                local_blocks, num_local = self.kv.get_computed_blocks(request)
+                answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                self.recorder.answers.append((request.request_id, num_local, answer, load_async))
+                if answer is None:
+                    continue
+                num_external = answer
+            num_computed = request.num_computed_tokens + num_local + num_external
+            num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external, delay_caching=load_async)
+            if new_blocks is None:
+                break
+            allocated.update(new_blocks)
+            self.connector.update_state_after_alloc(request, self.kv.blocks_of(request.request_id), num_external)
+            request.num_computed_tokens = num_computed
+            if load_async:
+                request.num_local_hit_tokens = num_local
+                request.status = RequestStatus.WAITING_FOR_LOAD
+                continue
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _finish_load(self, request: Request, success: bool) -> None:
+        """Make a finished load's tokens computed; on failure fall back to the local hit (LIFE-LOAD-1..3)."""
+        if success:
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_computed_tokens -= 1
+        else:
+            request.num_computed_tokens = request.num_local_hit_tokens
+            if request.num_computed_tokens == 0:
+                self.kv.free(request.request_id)
+            else:
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+
+    def _advance(self, output: SchedulerOutput) -> dict[str, int]:
+        """Count scheduled tokens as computed; with async scheduling add an output placeholder (SCHED-ASYNC-1)."""
+        starts = {}
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            starts[request_id] = request.num_computed_tokens
+            request.num_computed_tokens += num_new
+            if self.config.async_scheduling and request.num_computed_tokens >= request.num_tokens:
+                request.num_output_placeholders += 1
+        return starts
+
+    def runner_tokens(self, request: Request) -> tuple[int, ...]:
+        """Return the tokens as the model runner knows them: the scheduler's plus the one still in flight."""
+        tokens = request.tokens
+        if self.in_flight is not None and request.tokens_to_discard == 0:
+            pending = self.in_flight.sampled.get(request.request_id)
+            if pending is not None:
+                tokens += (pending,)
+        return tokens
+
+    def _forward(self, output: SchedulerOutput, starts: dict[str, int]) -> tuple[dict[str, int], set[int]]:
+        """Write each scheduled token's KV into its GPU block; sample at the sequence end (XFER-DATA-1..2)."""
+        sampled: dict[str, int] = {}
+        writes: set[int] = set()
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            tokens = self.runner_tokens(request)
+            start, end = starts[request_id], starts[request_id] + num_new
+            states = request.token_states(end, tokens)
+            blocks = output.block_ids[request_id]
+            self.transfer.write_tokens(blocks, start, kv_content.kv_values(
+                states[start:end], self.config.token_width, self.transfer.gpu.dtype))
+            writes.update(blocks[start // self.config.block_size : -(-end // self.config.block_size)])
+            if end == len(tokens):
+                sampled[request_id] = kv_content.next_token(states[end - 1])
+        return sampled, writes
+
+    def _process(self, batch: Batch) -> None:
+        """Apply a batch's sampled tokens and connector output (SCHED-STEP-1, CONN-STEP-4)."""
+        for request_id, token in batch.sampled.items():
+            request = self.requests[request_id]
+            if request.is_finished:
+                continue
+            if request.tokens_to_discard:
+                request.tokens_to_discard -= 1
+                continue
+            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            request.append_output(token)
+            if len(request.output) >= request.max_tokens:
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED)
+        update = self.connector.update_connector_output(batch.connector_output)
+        for request_id in sorted(update.released & self.delayed_free):
+            self.delayed_free.discard(request_id)
+            self._free(request_id)
+        for request_id, success in update.loads_done.items():
+            if not self.requests[request_id].is_finished:
+                self.loads_done[request_id] = success
+
+    # --- observation helpers ------------------------------------------------------------
+
+    def computed_kv(self, request_id: str) -> torch.Tensor:
+        """Return the GPU KV rows of a request's computed tokens."""
+        request = self.requests[request_id]
+        return self.transfer.read_tokens(self.kv.blocks_of(request_id), request.num_computed_tokens)
+
+    def in_flight_job_count(self) -> int:
+        """Return the jobs the connector still waits for (LIFE-LEAK-1)."""
+        return len(self.connector.jobs)

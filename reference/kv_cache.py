@@ -1,0 +1,144 @@
+"""GPU block pool and local prefix cache (spec chapter `prefix-cache`)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from kvconform.reference.errors import InvalidCall
+from kvconform.reference.hashing import BlockHash
+from kvconform.reference.request import Request
+
+NULL_BLOCK_ID = 0
+"""PFX-NULL-1: block 0 is the null block; it is never handed to a request."""
+
+
+class BlockPool:
+    """GPU blocks with reference counts, an LRU free queue and a hash → block map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise InvalidCall("PFX-NULL-1", f"num_gpu_blocks must be >= 2, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: dict[BlockHash, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, count: int) -> list[int]:
+        """Return `count` blocks from the free queue's front, evicting their cached hashes (PFX-EVICT-1)."""
+        assert count <= self.num_free_blocks
+        blocks = []
+        for _ in range(count):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._uncache(block_id)
+            self.ref_counts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Take one more reference on cached blocks, removing free ones from the queue (PFX-HIT-1)."""
+        for block_id in blocks:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference per block; a block at zero joins the queue's tail (PFX-EVICT-1)."""
+        for block_id in blocks:
+            if self.ref_counts[block_id] <= 0:
+                raise InvalidCall("PFX-REF-1", f"block {block_id} freed with ref count 0")
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+
+    def cache(self, block_id: int, block_hash: BlockHash) -> None:
+        """Register a full, computed block under its hash; the first block with a hash wins (PFX-HIT-2)."""
+        if self.block_hash[block_id] is None:
+            self.block_hash[block_id] = block_hash
+            self.cached.setdefault(block_hash, block_id)
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """Return the cached block holding `block_hash`, if any."""
+        return self.cached.get(block_hash)
+
+    def reset(self) -> bool:
+        """Forget every cached hash; refused unless every block is free (PFX-RESET-1)."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block_id in range(self.num_blocks):
+            self.block_hash[block_id] = None
+        self.cached.clear()
+        return True
+
+    def _uncache(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            self.block_hash[block_id] = None
+            if self.cached.get(block_hash) == block_id:
+                del self.cached[block_hash]
+
+
+class KVCacheManager:
+    """Allocates GPU blocks to requests and finds their local prefix-cache hits."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[int]] = {}
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Return the locally cached prefix blocks of a new request and their token count (PFX-HIT-1..3)."""
+        if request.skip_reading_prefix_cache:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit, len(hit) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int],
+        num_external_tokens: int,
+        delay_caching: bool,
+    ) -> list[int] | None:
+        """Give a request blocks for its new tokens; None when the pool is short (SCHED-ALLOC-1)."""
+        owned = self.req_blocks.setdefault(request.request_id, [])
+        num_local = len(computed_blocks) * self.block_size
+        total_tokens = request.num_computed_tokens + num_local + num_external_tokens + num_new_tokens
+        needed = -(-total_tokens // self.block_size) - len(owned) - len(computed_blocks)
+        reusable = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if needed > self.pool.num_free_blocks - reusable:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(max(needed, 0))
+        owned.extend(computed_blocks)
+        owned.extend(new_blocks)
+        if not delay_caching:
+            self.cache_blocks(request, min(total_tokens, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks within its first `num_tokens` tokens (PFX-HIT-2)."""
+        owned = self.req_blocks.get(request.request_id, [])
+        for index in range(min(num_tokens // self.block_size, len(request.block_hashes), len(owned))):
+            self.pool.cache(owned[index], request.block_hashes[index])
+
+    def free(self, request_id: str) -> list[int]:
+        """Release a request's blocks, tail first so they are evicted first (PFX-EVICT-1)."""
+        owned = self.req_blocks.pop(request_id, [])
+        self.pool.free(reversed(owned))
+        return owned

@@ -1,0 +1,48 @@
+"""The KV content function: what a forward pass writes for each token (spec chapter `transfer`).
+
+Every token's KV bytes are a deterministic function of the request's extra keys and the token
+prefix up to and including it (XFER-DATA-1), so any block's bytes can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+VOCAB_SIZE = 4
+"""Sampled tokens lie in range(VOCAB_SIZE): small, so decoded continuations collide and share blocks."""
+
+_MASK = (1 << 31) - 1
+_MULTIPLIER = 1_000_003
+_ELEMENT_PRIME = 65_521
+
+
+def initial_state(lora_name: str | None, cache_salt: str | None) -> int:
+    """Return the chain state before the first token (XFER-DATA-1)."""
+    seed = f"{lora_name or ''}\x00{cache_salt or ''}".encode()
+    return int.from_bytes(hashlib.blake2b(seed, digest_size=4).digest(), "little") & _MASK
+
+
+def token_states(initial: int, tokens: Sequence[int], known: Sequence[int] = ()) -> list[int]:
+    """Return the chain state after each token, extending the `known` ones (XFER-DATA-1)."""
+    states = list(known)
+    state = states[-1] if states else initial
+    for token in tokens[len(states) :]:
+        state = ((state * _MULTIPLIER) ^ (token + 1)) & _MASK
+        states.append(state)
+    return states
+
+
+def next_token(state: int) -> int:
+    """Return the token sampled after a token whose chain state is `state` (XFER-DATA-2)."""
+    return state % VOCAB_SIZE
+
+
+def kv_values(states: Sequence[int], token_width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Return the KV rows `[len(states), token_width]` that a forward writes for these tokens (XFER-DATA-1)."""
+    base = torch.tensor(states, dtype=torch.int64).unsqueeze(1)
+    offsets = torch.arange(token_width, dtype=torch.int64).unsqueeze(0)
+    mixed = ((base + offsets) * 2_654_435_761) % _ELEMENT_PRIME
+    return (mixed.to(torch.float32) / _ELEMENT_PRIME).to(dtype)

@@ -1,0 +1,78 @@
+"""Real block transfer between the GPU-side KV cache and the offload store (spec chapter `transfer`).
+
+Both sides are torch tensors. The GPU side lives on CUDA when it is available and the store in
+pinned CPU memory; otherwise both live on the CPU. One code path serves both (XFER-COPY-1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvconform.reference.errors import InvalidCall
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class TransferEngine:
+    """Holds the GPU KV cache `[blocks, block_size, width]` and the store `[slots * factor, block_size, width]`."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_slots: int,
+        block_size: int,
+        block_size_factor: int,
+        token_width: int,
+        dtype: str = "float16",
+        device: torch.device | None = None,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise InvalidCall("XFER-COPY-1", f"unsupported KV dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        self.device = device or default_device()
+        self.factor = block_size_factor
+        self.block_size = block_size
+        self.gpu = torch.zeros(num_gpu_blocks, block_size, token_width, dtype=DTYPES[dtype], device=self.device)
+        self.store = torch.zeros(
+            num_slots * block_size_factor,
+            block_size,
+            token_width,
+            dtype=DTYPES[dtype],
+            pin_memory=self.device.type == "cuda",
+        )
+
+    def store_rows(self, slot: int, first: int, count: int) -> list[int]:
+        """Return the store rows of GPU-block positions `first .. first+count` inside one offloaded block."""
+        return [slot * self.factor + position for position in range(first, first + count)]
+
+    def copy_to_store(self, gpu_blocks: Sequence[int], rows: Sequence[int]) -> None:
+        """Copy GPU blocks into store rows as one batched gather and scatter (XFER-COPY-1)."""
+        source = self.gpu.index_select(0, self._index(gpu_blocks, self.device))
+        self.store.index_copy_(0, self._index(rows, self.store.device), source.to(self.store.device))
+
+    def copy_to_gpu(self, rows: Sequence[int], gpu_blocks: Sequence[int]) -> None:
+        """Copy store rows into GPU blocks as one batched gather and scatter (XFER-COPY-1)."""
+        source = self.store.index_select(0, self._index(rows, self.store.device))
+        self.gpu.index_copy_(0, self._index(gpu_blocks, self.device), source.to(self.device, non_blocking=True))
+
+    def write_tokens(self, gpu_blocks: Sequence[int], first_position: int, values: torch.Tensor) -> None:
+        """Write KV rows for consecutive token positions starting at `first_position` (XFER-DATA-1)."""
+        positions = torch.arange(first_position, first_position + len(values))
+        blocks = self._index(gpu_blocks, torch.device("cpu"))[positions // self.block_size]
+        self.gpu[blocks.to(self.device), (positions % self.block_size).to(self.device)] = values.to(self.device)
+
+    def read_tokens(self, gpu_blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """Return the KV rows of a request's first `num_tokens` tokens, as stored in its GPU blocks."""
+        if num_tokens == 0:
+            return self.gpu.new_zeros(0, self.gpu.shape[2]).cpu()
+        rows = self.gpu.index_select(0, self._index(gpu_blocks, self.device)).reshape(-1, self.gpu.shape[2])
+        return rows[:num_tokens].cpu()
+
+    @staticmethod
+    def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        return torch.as_tensor(list(ids), dtype=torch.int64, device=device)
