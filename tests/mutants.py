@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.reference.connector import OffloadConnectorScheduler
 from kvconform.reference.engine import Engine
-from kvconform.reference.offload_manager import OffloadManager, PrepareStoreOutput
+from kvconform.reference.offload_manager import OffloadManager
 
 
 def mutant(engine_base: type[Engine] = Engine, **parts: type) -> type[ReferenceAdapter]:
@@ -62,21 +62,12 @@ class LookupPastMissConnector(OffloadConnectorScheduler):
 
 
 class EvictsKeptKeysManager(OffloadManager):
-    """vLLM #35846: prepare_store evicted keys it had been asked to keep (no protected set)."""
+    """vLLM #35846: prepare_store evicted keys it had been asked to keep (the protected set is ignored)."""
 
-    def prepare_store(self, keys) -> PrepareStoreOutput | None:
-        to_store = [key for key in keys if self.policy.get(key) is None]
-        shortfall = len(to_store) - len(self.free_slots)
-        if not to_store or shortfall <= 0:
-            return super().prepare_store(keys)
-        victims = self.policy.evict(shortfall, protected=set())
-        if victims is None:
-            return None
-        self.num_evictable -= len(victims)
-        self.free_slots.extend(block.slot for _, block in victims)
-        output = super().prepare_store(keys)
-        output.evicted = [key for key, _ in victims] + output.evicted
-        return output
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        evict = self.policy.evict
+        self.policy.evict = lambda count, protected: evict(count, set())
 
 
 class LoadCoversLastTokenEngine(Engine):

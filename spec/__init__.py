@@ -1,0 +1,1 @@
+"""The normative spec: markdown chapters, and the clause registry parsed from them."""

@@ -1,0 +1,39 @@
+"""The kit must fail every mutant with the clause its bug breaks, and pass the reference."""
+
+from __future__ import annotations
+
+import pytest
+from mutants import MUTANTS
+
+from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.conformance import runner, vectors
+
+
+def test_reference_conforms() -> None:
+    """The reference adapter passes the ci profile against the reference model."""
+    result = runner.run(ReferenceAdapter, "reference", "ci")
+    assert result.passed, f"[{result.failed_clause}] {result.message}\n{result.counterexample}"
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_killed_with_its_clause(name: str) -> None:
+    """The ci profile kills the mutant and names the clause the bug breaks."""
+    adapter, clause = MUTANTS[name]
+    result = runner.run(adapter, name, "ci")
+    assert not result.passed, f"mutant {name} survived the ci profile"
+    assert result.failed_clause == clause, f"{name}: expected {clause}, got {result.failed_clause}: {result.message}"
+
+
+@pytest.mark.parametrize("name", vectors.bundled())
+def test_reference_meets_vector(name: str) -> None:
+    """The reference meets every bundled vector."""
+    vectors.replay(vectors.load(name), ReferenceAdapter())
+
+
+@pytest.mark.parametrize("name", vectors.bundled())
+@pytest.mark.parametrize("mutant, clause", [("skip-flag-ignored", "OFF-READ-1"), ("skip-returns-early", "OFF-READ-3")])
+def test_seed_vectors_kill_seed_mutants(name: str, mutant: str, clause: str) -> None:
+    """The seed-scenario vectors fail the seed bug and the PR's rejected first draft with the seed clauses."""
+    with pytest.raises(Exception) as failure:
+        vectors.replay(vectors.load(name), MUTANTS[mutant][0]())
+    assert getattr(failure.value, "clause", None) == clause
