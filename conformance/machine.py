@@ -32,7 +32,7 @@ def engine_configs(draw: st.DrawFn, capabilities: Capabilities) -> EngineConfig:
         block_size=4,
         num_gpu_blocks=draw(st.sampled_from((12, 16, 64)), label="num_gpu_blocks"),
         block_size_factor=draw(st.sampled_from(sorted(capabilities.block_size_factors)), label="factor"),
-        num_offload_blocks=draw(st.integers(2, 8), label="num_offload_blocks"),
+        num_offload_blocks=draw(st.integers(1, 6), label="num_offload_blocks"),
         eviction_policy=draw(st.sampled_from(sorted(capabilities.eviction_policies)), label="policy"),
         async_scheduling=draw(st.booleans(), label="async") if capabilities.async_scheduling else False,
         max_num_batched_tokens=draw(st.sampled_from((16, 256)), label="token_budget"),
@@ -43,11 +43,12 @@ def engine_configs(draw: st.DrawFn, capabilities: Capabilities) -> EngineConfig:
 def prompts(draw: st.DrawFn, earlier: tuple[tuple[int, ...], ...] = ()) -> tuple[int, ...]:
     """Draw an earlier prompt again, or a prefix of a shared base prompt with an optional private suffix."""
     if earlier and draw(st.booleans(), label="repeat"):
-        return draw(st.sampled_from(earlier), label="earlier_prompt")
-    base = draw(st.sampled_from(BASE_PROMPTS), label="base")
-    length = draw(st.sampled_from((12, 24)) | st.integers(1, len(base)), label="prefix_length")
-    suffix = draw(st.lists(st.integers(0, 3), max_size=4), label="suffix")
-    return base[:length] + tuple(suffix)
+        prefix = draw(st.sampled_from(earlier), label="earlier_prompt")
+    else:
+        base = draw(st.sampled_from(BASE_PROMPTS), label="base")
+        prefix = base[: draw(st.sampled_from((12, 24)) | st.integers(1, len(base)), label="prefix_length")]
+    suffix = draw(st.lists(st.integers(0, 3), max_size=12), label="suffix")
+    return prefix[:40] + tuple(suffix)[: 40 - len(prefix)]
 
 
 class ConnectorStateMachine(RuleBasedStateMachine):

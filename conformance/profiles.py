@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, settings
 
 PROFILES = {
-    "ci": dict(max_examples=150, stateful_step_count=50, derandomize=True),
+    "ci": dict(max_examples=300, stateful_step_count=50, derandomize=True),
     "dev": dict(max_examples=200, stateful_step_count=40),
     "thorough": dict(max_examples=1000, stateful_step_count=80),
 }
