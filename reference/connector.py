@@ -117,7 +117,7 @@ class OffloadConnectorScheduler:
         self.states[request.request_id] = RequestOffloadState(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Return the tokens loadable beyond the local hit and whether the load is async (CONN-MATCH-1..4)."""
+        """Return the loadable tokens past the local hit and if the load is async (CONN-MATCH-1, CONN-MATCH-4, OFF-READ-2)."""
         state = self.states[request.request_id]
         if state.transfer_jobs:
             return None, False
@@ -130,7 +130,10 @@ class OffloadConnectorScheduler:
         return num_hit_tokens, bool(num_hit_tokens)
 
     def _lookup(self, state: RequestOffloadState) -> int | None:
-        """Return the loadable tokens: the run of readable offloaded blocks after the local hit (OFF-LOOKUP-1..4)."""
+        """Return the loadable tokens: the run of readable offloaded blocks after the local hit.
+
+        OFF-LOOKUP-1, OFF-LOOKUP-2, OFF-LOOKUP-3, OFF-LOOKUP-4.
+        """
         request, block = state.request, self.offloaded_block_size
         keys = self.offload_keys(request)
         max_hit = min(request.num_tokens, len(keys) * block)
@@ -187,7 +190,7 @@ class OffloadConnectorScheduler:
         return meta
 
     def _build_store_jobs(self, output: SchedulerOutput) -> list[TransferJob]:
-        """Offer every newly full, computed offloaded block to the store (OFF-STORE-1..4)."""
+        """Offer every newly full, computed offloaded block to the store (OFF-STORE-1, OFF-STORE-3, OFF-STORE-4)."""
         jobs = []
         for request_id, num_scheduled in output.num_scheduled_tokens.items():
             state = self.states.get(request_id)
@@ -258,7 +261,7 @@ class OffloadConnectorScheduler:
                 del self.store_jobs_by_gpu_block[block_id]
 
     def request_finished(self, request: Request) -> bool:
-        """Return True to delay freeing the request's GPU blocks (CONN-FIN-1, LIFE-FREE-1..3).
+        """Return True to delay freeing the request's GPU blocks (CONN-FIN-1, LIFE-FREE-1, LIFE-FREE-2).
 
         Pending stores are flushed before their GPU blocks are reused; a pending load delays the free.
         """

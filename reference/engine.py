@@ -246,7 +246,7 @@ class Engine:
         return budget
 
     def _finish_load(self, request: Request, success: bool) -> None:
-        """Make a finished load's tokens computed; on failure fall back to the local hit (LIFE-LOAD-1..3)."""
+        """Make a finished load's tokens computed, or fall back to the local hit (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""
         if success:
             self.kv.cache_blocks(request, request.num_computed_tokens)
             if request.num_computed_tokens == request.num_tokens:
@@ -280,7 +280,7 @@ class Engine:
         return tokens
 
     def _forward(self, output: SchedulerOutput, starts: dict[str, int]) -> tuple[dict[str, int], set[int]]:
-        """Write each scheduled token's KV into its GPU block; sample at the sequence end (XFER-DATA-1..2)."""
+        """Write each scheduled token's KV into its GPU block; sample at the sequence end (XFER-DATA-1, XFER-DATA-2)."""
         sampled: dict[str, int] = {}
         writes: set[int] = set()
         for request_id, num_new in output.num_scheduled_tokens.items():

@@ -95,7 +95,7 @@ class KVCacheManager:
         return self.req_blocks.get(request_id, [])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Return the locally cached prefix blocks of a new request and their token count (PFX-HIT-1..3)."""
+        """Return the locally cached prefix blocks of a new request and their token count (PFX-HIT-1, PFX-HIT-3)."""
         if request.skip_reading_prefix_cache:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

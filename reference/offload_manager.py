@@ -182,7 +182,7 @@ POLICIES = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 @dataclass
 class OffloadManager:
-    """The scheduler-side index of the offload store (OFF-MGR-1..8)."""
+    """The scheduler-side index of the offload store (OFF-MGR-1 to OFF-MGR-9)."""
 
     num_slots: int
     policy_name: str = "lru"

@@ -1,0 +1,709 @@
+"""Unit tests of the reference for the clauses the conformance state machine cannot observe.
+
+Each test's docstring names the clause it tests; spec chapters list these tests as their checks.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis.errors import InvalidArgument
+from pydantic import ValidationError
+
+from kvconform.adapters.contract import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation
+from kvconform.conformance import runner
+from kvconform.conformance.checks import ClauseViolation, Context
+from kvconform.conformance.machine import ConnectorStateMachine, engine_configs
+from kvconform.reference import kv_content
+from kvconform.reference.connector import (
+    ConnectorMetadata,
+    ConnectorOutput,
+    OffloadConnectorScheduler,
+    OffloadConnectorWorker,
+    SchedulerOutput,
+    TransferJob,
+)
+from kvconform.reference.engine import Engine
+from kvconform.reference.errors import InvalidCall
+from kvconform.reference.hashing import NONE_HASH, block_hashes, extra_keys, hash_block
+from kvconform.reference.kv_cache import BlockPool, KVCacheManager
+from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
+from kvconform.reference.recorder import StepRecorder
+from kvconform.reference.request import Request
+from kvconform.reference.transfer import TransferEngine
+
+CPU = torch.device("cpu")
+PROMPT = tuple((i * 7 + 3) % 4 for i in range(12))
+"""Three GPU blocks of 4 tokens; with block_size_factor 1 also three offloaded blocks."""
+K = [bytes([i]) * 16 for i in range(8)]
+"""Offload keys for manager-level tests."""
+
+
+def req(request_id: str = "r", prompt: tuple[int, ...] = PROMPT, **kw) -> Request:
+    return Request(request_id, prompt, kw.pop("max_tokens", 1), 4, **kw)
+
+
+def stored(manager: OffloadManager, *keys: bytes) -> None:
+    """Store `keys` successfully."""
+    manager.prepare_store(list(keys))
+    manager.complete_store(list(keys), success=True)
+
+
+@pytest.fixture
+def engine():
+    def make(**kw) -> Engine:
+        return Engine(EngineConfig(**{"block_size_factor": 1, "num_gpu_blocks": 16, **kw}), CPU)
+    return make
+
+
+@pytest.fixture
+def primed(engine) -> Engine:
+    """PROMPT's 3 blocks in the store; the GPU prefix cache reset and then holding PROMPT's block 0 only."""
+    e = engine()
+    e.add_request(RequestSpec(request_id="r0", prompt=PROMPT))
+    e.step()
+    e.complete_transfers(False, False)
+    e.step()
+    assert e.reset_prefix_cache()
+    e.add_request(RequestSpec(request_id="ra", prompt=PROMPT[:5], skip_reading_prefix_cache=True))
+    e.step()
+    return e
+
+
+@pytest.fixture
+def loading(primed) -> Engine:
+    """`primed` plus r1 (PROMPT) admitted with a local hit of 4 tokens and an async load of 8."""
+    primed.add_request(RequestSpec(request_id="r1", prompt=PROMPT, max_tokens=2))
+    assert primed.step().trace.loads == [("r1", [1, 2], 1, 2)]
+    return primed
+
+
+@pytest.fixture
+def conn():
+    def make(slots: int = 8, factor: int = 1, policy: str = "lru") -> OffloadConnectorScheduler:
+        return OffloadConnectorScheduler(OffloadManager(slots, policy), 4, factor, StepRecorder())
+    return make
+
+
+def sched_output(request: Request, num_tokens: int, blocks: list[int], allocated=(), preempted=()) -> SchedulerOutput:
+    return SchedulerOutput({request.request_id: num_tokens}, {request.request_id: request},
+                           {request.request_id: blocks}, set(allocated), set(preempted))
+
+
+# --- prefix cache -------------------------------------------------------------------------------
+
+
+def test_hash_chain_depends_on_every_earlier_block():
+    """PFX-HASH-1: block hashes chain on the parent, starting from NONE_HASH; partial blocks are not hashed."""
+    hashes = block_hashes(PROMPT + (1, 2), 4)
+    assert len(hashes) == 3 and hashes[0] == hash_block(NONE_HASH, PROMPT[:4], ())
+    assert hashes[1] == hash_block(hashes[0], PROMPT[4:8], ())
+    changed = block_hashes((PROMPT[0] + 1,) + PROMPT[1:], 4)
+    assert all(a != b for a, b in zip(hashes, changed))
+
+
+def test_extra_keys_lora_every_block_salt_block_zero():
+    """PFX-HASH-2: the LoRA name is an extra key of every block, the cache salt of block 0 only."""
+    assert extra_keys("x", "s", 0) == ("lora:x", "salt:s")
+    assert extra_keys("x", "s", 1) == ("lora:x",)
+    assert extra_keys(None, "s", 1) == ()
+    plain, salted = block_hashes(PROMPT, 4), block_hashes(PROMPT, 4, cache_salt="s")
+    assert all(a != b for a, b in zip(plain, salted))
+
+
+def test_null_block_never_allocated():
+    """PFX-NULL-1: block 0 is never handed out, and a pool needs at least two blocks."""
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [1, 2, 3] and pool.num_free_blocks == 0
+    with pytest.raises(InvalidCall):
+        BlockPool(1)
+
+
+def test_ref_counts():
+    """PFX-REF-1: allocate sets a ref count of 1, touch adds one, free drops one; freeing at 0 is invalid."""
+    pool = BlockPool(4)
+    [block] = pool.allocate(1)
+    pool.touch([block])
+    assert pool.ref_counts[block] == 2
+    pool.free([block, block])
+    assert pool.ref_counts[block] == 0 and block in pool.free_queue
+    with pytest.raises(InvalidCall):
+        pool.free([block])
+
+
+def test_local_hit_stops_at_first_miss_and_skip_flag_gives_none():
+    """PFX-HIT-1: the local hit is the run of cached blocks from block 0; a skip-read request gets none."""
+    kv = KVCacheManager(16, 4)
+    first = req("a")
+    kv.allocate_slots(first, 12, [], 0, delay_caching=False)
+    kv.pool._uncache(kv.blocks_of("a")[1])
+    assert kv.get_computed_blocks(req("b", PROMPT + (0,))) == (kv.blocks_of("a")[:1], 4)
+    assert kv.get_computed_blocks(req("c", PROMPT + (0,), skip_reading_prefix_cache=True)) == ([], 0)
+
+
+def test_only_full_computed_blocks_are_cached():
+    """PFX-HIT-2: only full blocks are cached; with delayed caching nothing is until cache_blocks."""
+    kv = KVCacheManager(16, 4)
+    kv.allocate_slots(req("a", PROMPT[:10]), 10, [], 0, delay_caching=False)
+    assert len(kv.pool.cached) == 2
+    kv.allocate_slots(req("b", (0,) * 8), 0, [], 8, delay_caching=True)
+    assert len(kv.pool.cached) == 2
+    kv.cache_blocks(req("b", (0,) * 8), 8)
+    assert len(kv.pool.cached) == 4
+
+
+def test_free_order_tail_first():
+    """PFX-EVICT-1: a request's blocks are freed tail first and reallocated from the queue's front."""
+    kv = KVCacheManager(8, 4)
+    kv.allocate_slots(req("a"), 12, [], 0, delay_caching=False)
+    assert kv.free("a") == [1, 2, 3]
+    assert list(kv.pool.free_queue) == [4, 5, 6, 7, 3, 2, 1]
+    assert kv.pool.allocate(5)[-1] == 3 and len(kv.pool.cached) == 2
+
+
+def test_reset_refused_while_blocks_used():
+    """PFX-RESET-1: reset_prefix_cache returns False while a block is used, True and forgets hashes when idle."""
+    kv = KVCacheManager(8, 4)
+    kv.allocate_slots(req("a"), 12, [], 0, delay_caching=False)
+    assert kv.pool.reset() is False and len(kv.pool.cached) == 3
+    kv.free("a")
+    assert kv.pool.reset() is True and kv.pool.cached == {}
+
+
+# --- offload manager ---------------------------------------------------------------------------
+
+
+def test_offload_key_is_last_gpu_block_hash(conn):
+    """OFF-KEY-1: offloaded block i is keyed by the hash of its last GPU block; partial blocks have no key."""
+    r = req(prompt=PROMPT * 2 + PROMPT[:10])
+    assert conn(factor=3).offload_keys(r) == [r.block_hashes[2], r.block_hashes[5]]
+
+
+def test_offload_keys_differ_by_tenant(conn):
+    """OFF-KEY-2: requests that differ in LoRA name or cache salt never share an offload key."""
+    keys = [set(conn().offload_keys(req(lora_name=lora, cache_salt=salt)))
+            for lora, salt in ((None, None), ("x", None), (None, "a"), (None, "b"))]
+    assert all(a.isdisjoint(b) for i, a in enumerate(keys) for b in keys[i + 1:])
+
+
+def test_storing_block_not_readable():
+    """OFF-MGR-2: lookup is None while a block is being stored, True once stored, False when absent."""
+    manager = OffloadManager(4)
+    manager.prepare_store([K[0]])
+    assert (manager.lookup(K[0]), manager.lookup(K[1])) == (None, False)
+    manager.complete_store([K[0]], success=True)
+    assert manager.lookup(K[0]) is True
+
+
+def test_prepare_load_pins_complete_load_unpins():
+    """OFF-MGR-3: prepare_load pins (not evictable), complete_load unpins; loading a storing key is invalid."""
+    manager = OffloadManager(1)
+    stored(manager, K[0])
+    manager.prepare_load([K[0]])
+    assert manager.num_pinned() == 1 and manager.prepare_store([K[1]]) is None
+    manager.complete_load([K[0]])
+    assert manager.num_pinned() == 0 and manager.prepare_store([K[1]]).evicted == [K[0]]
+    with pytest.raises(InvalidCall):
+        manager.prepare_load([K[1]])
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_touch_unknown_key_ignored(policy):
+    """OFF-MGR-4: touching keys the store does not hold is allowed and changes nothing (vLLM #34576)."""
+    manager = OffloadManager(2, policy)
+    stored(manager, K[0])
+    manager.touch([K[5], K[0], K[6]])
+    assert [key for key, _ in manager.contents()] == [K[0]]
+
+
+def test_prepare_store_deduplicates():
+    """OFF-MGR-5: prepare_store reserves slots only for offered keys it does not hold yet."""
+    manager = OffloadManager(4)
+    stored(manager, K[0])
+    manager.prepare_store([K[1]])
+    out = manager.prepare_store([K[0], K[1], K[2]])
+    assert out.keys_to_store == [K[2]] and len(out.slots) == 1 and out.evicted == []
+
+
+def test_failed_store_drops_keys():
+    """OFF-MGR-6: a failed store drops its keys and frees their slots; a successful one makes them readable."""
+    manager = OffloadManager(2)
+    manager.prepare_store([K[0], K[1]])
+    manager.complete_store([K[0]], success=False)
+    manager.complete_store([K[1]], success=True)
+    assert (manager.lookup(K[0]), manager.lookup(K[1])) == (False, True)
+    assert manager.prepare_store([K[2]]).evicted == []
+
+
+def test_prepare_store_protects_offered_keys():
+    """OFF-MGR-7: prepare_store never evicts the keys it was offered, even the least recently used."""
+    manager = OffloadManager(2)
+    stored(manager, K[0], K[1])
+    out = manager.prepare_store([K[0], K[2]])
+    assert out.keys_to_store == [K[2]] and out.evicted == [K[1]]
+    assert manager.lookup(K[0]) is True
+
+
+def test_prepare_store_none_without_room():
+    """OFF-MGR-7: prepare_store returns None, changing nothing, when pinned or storing blocks leave no room."""
+    manager = OffloadManager(2)
+    stored(manager, K[0])
+    manager.prepare_store([K[1]])
+    manager.prepare_load([K[0]])
+    assert manager.prepare_store([K[2]]) is None
+    assert sorted(key for key, _ in manager.contents()) == [K[0], K[1]] and manager.lookup(K[2]) is False
+
+
+def test_reset_connector_empties_store(primed):
+    """OFF-MGR-8: reset_prefix_cache(reset_connector=True) empties the offload store."""
+    assert len(primed.manager.contents()) == 3
+    assert primed.reset_prefix_cache(reset_connector=True) is True
+    assert primed.manager.contents() == [] and primed.manager.lookup(primed.connector.offload_keys(primed.requests["r0"])[0]) is False
+
+
+def test_store_events():
+    """OFF-MGR-9: completed stores emit a stored event, evictions a removed event, each once."""
+    manager = OffloadManager(1)
+    stored(manager, K[0])
+    stored(manager, K[1])
+    assert [(e.keys, e.removed) for e in manager.take_events()] == [([K[0]], False), ([K[0]], True), ([K[1]], False)]
+    assert manager.take_events() == []
+
+
+def test_lru_evicts_least_recent():
+    """OFF-LRU-1: LRU evicts the least recently stored or touched idle block."""
+    manager = OffloadManager(3)
+    stored(manager, K[0], K[1], K[2])
+    manager.touch([K[0]])
+    assert manager.prepare_store([K[3]]).evicted == [K[1]]
+
+
+def test_lru_touch_order():
+    """OFF-LRU-2: touch(keys) makes the keys most recent, the first key the most recent of all."""
+    policy = LRUPolicy(4)
+    for key in K[:4]:
+        policy.mark_evictable(key)
+    policy.touch([K[0], K[1]])
+    assert list(policy.evictable) == [K[2], K[3], K[1], K[0]]
+
+
+def test_arc_insert_enters_t1_leaves_ghosts():
+    """OFF-ARC-2: a new block enters T1 and leaves the ghost lists."""
+    manager = OffloadManager(1, "arc")
+    stored(manager, K[0])
+    stored(manager, K[1])
+    assert list(manager.policy.b1) == [K[0]]
+    stored(manager, K[0])
+    assert list(manager.policy.t1) == [K[0]] and K[0] not in manager.policy.b1
+
+
+def test_arc_promotion_t1_to_t2():
+    """OFF-ARC-3: touching a ready T1 block moves it to T2; a block still being stored stays in T1."""
+    manager = OffloadManager(4, "arc")
+    stored(manager, K[0])
+    manager.prepare_store([K[1]])
+    manager.touch([K[0], K[1]])
+    assert list(manager.policy.t2) == [K[0]] and list(manager.policy.t1) == [K[1]]
+
+
+def test_arc_ghost_hits_adapt_target():
+    """OFF-ARC-3: a B1 ghost hit raises the T1 target by max(1, |B2|/|B1|), a B2 hit lowers it, within [0, c]."""
+    policy = ARCPolicy(4)
+    policy.b1.update(dict.fromkeys(K[:2]))
+    policy.b2.update(dict.fromkeys(K[2:6]))
+    policy.touch([K[0]])
+    assert policy.target_t1 == 2.0
+    policy.touch([K[2]])
+    assert policy.target_t1 == 1.0
+    policy.touch([K[3]])
+    policy.touch([K[3]])
+    assert policy.target_t1 == 0
+
+
+def test_arc_evicts_t1_first_into_ghost():
+    """OFF-ARC-4: with |T1| at or above target the victim is T1's oldest idle block, which becomes a B1 ghost."""
+    manager = OffloadManager(2, "arc")
+    stored(manager, K[0], K[1])
+    manager.touch([K[1]])
+    assert manager.prepare_store([K[2]]).evicted == [K[0]]
+    assert list(manager.policy.b1) == [K[0]] and list(manager.policy.t2) == [K[1]]
+
+
+def test_arc_evict_is_atomic():
+    """OFF-ARC-4: an eviction that cannot find enough idle victims returns None and changes nothing."""
+    manager = OffloadManager(2, "arc")
+    stored(manager, K[0], K[1])
+    policy = manager.policy
+    assert policy.evict(2, protected={K[1]}) is None
+    assert list(policy.t1) == [K[0], K[1]] and not policy.b1
+
+
+# --- connector -----------------------------------------------------------------------------------
+
+
+def test_match_deferred_while_request_has_transfers(conn):
+    """CONN-MATCH-4: a request with in-flight transfer jobs is answered (None, False) and not looked up."""
+    c = conn()
+    r = req()
+    c.on_new_request(r)
+    c.states["r"].transfer_jobs.add(7)
+    assert c.get_num_new_matched_tokens(r, 0) == (None, False) and c.recorder.lookups == {}
+
+
+def test_lookup_defers_while_block_storing(conn):
+    """OFF-LOOKUP-3: a looked-up block still being stored defers the answer (None)."""
+    c = conn()
+    r = req()
+    c.on_new_request(r)
+    keys = c.offload_keys(r)
+    stored(c.manager, keys[0])
+    c.manager.prepare_store([keys[1]])
+    assert c.get_num_new_matched_tokens(r, 0) == (None, False)
+
+
+def test_lookup_defers_while_hit_block_loading(conn):
+    """OFF-LOOKUP-4: a hit whose blocks are being loaded for another request is deferred (None)."""
+    c = conn()
+    a, b = req("a"), req("b")
+    c.on_new_request(a)
+    c.on_new_request(b)
+    stored(c.manager, *c.offload_keys(a))
+    assert c.get_num_new_matched_tokens(a, 0) == (12, True)
+    c.update_state_after_alloc(a, [1, 2, 3], 12)
+    assert c.get_num_new_matched_tokens(b, 0) == (None, False)
+
+
+def test_alloc_creates_one_load_job(conn):
+    """CONN-ALLOC-1: update_state_after_alloc makes one load job past the local hit and pins its keys."""
+    c = conn(factor=3)
+    r = req(prompt=PROMPT * 2 + (0,))
+    c.on_new_request(r)
+    stored(c.manager, *c.offload_keys(r))
+    assert c.get_num_new_matched_tokens(r, 4) == (20, True)
+    c.update_state_after_alloc(r, list(range(10, 17)), 20)
+    assert c.recorder.loads == [("r", [0, 1], 1, 5)] and c.manager.num_pinned() == 2
+
+
+def test_load_job_is_exactly_the_reported_tokens(conn):
+    """CONN-LOAD-1: no load job is created for a 0-token answer; a job covers exactly the reported tokens."""
+    c = conn()
+    r = req()
+    c.on_new_request(r)
+    c.update_state_after_alloc(r, [1, 2, 3], 0)
+    assert c.pending_loads == []
+    stored(c.manager, *c.offload_keys(r))
+    c.get_num_new_matched_tokens(r, 0)
+    c.update_state_after_alloc(r, [1, 2, 3], 8)
+    assert [job.gpu_blocks for job in c.pending_loads] == [[1, 2]]
+
+
+def test_meta_carries_this_steps_loads_once(conn):
+    """CONN-STEP-1: build_connector_meta hands out the step's load jobs once."""
+    c = conn()
+    r = req()
+    c.on_new_request(r)
+    stored(c.manager, *c.offload_keys(r))
+    c.get_num_new_matched_tokens(r, 0)
+    c.update_state_after_alloc(r, [1, 2, 3], 12)
+    empty = SchedulerOutput({}, {}, {}, set(), set())
+    assert [job.keys for job in c.build_connector_meta(empty).load_jobs] == [c.offload_keys(r)]
+    assert c.build_connector_meta(empty).load_jobs == []
+
+
+def test_meta_carries_loads_stores_and_flushes(conn):
+    """CONN-STEP-3: a step's metadata carries its load jobs, its store jobs and the jobs to flush."""
+    c = conn()
+    r, s = req("r"), req("s", (1,) * 8)
+    for each in (r, s):
+        c.on_new_request(each)
+    stored(c.manager, *c.offload_keys(r))
+    c.get_num_new_matched_tokens(r, 0)
+    c.update_state_after_alloc(r, [1, 2, 3], 12)
+    meta = c.build_connector_meta(sched_output(s, 8, [4, 5], preempted=["s"]))
+    assert [j.request_id for j in meta.load_jobs] == ["r"] and [j.request_id for j in meta.store_jobs] == ["s"]
+    assert c.build_connector_meta(sched_output(s, 0, [4, 5], preempted=["s"])).jobs_to_flush == {meta.store_jobs[0].job_id}
+
+
+def test_worker_flushes_before_loads():
+    """CONN-STEP-2: start_load_kv completes the flushed in-flight stores, then submits the loads."""
+    worker = OffloadConnectorWorker(TransferEngine(4, 2, 4, 1, 2, "float32", CPU))
+    store = TransferJob(0, "r", True, [K[0]], [0], [1], [0])
+    load = TransferJob(1, "s", False, [K[1]], [0], [2], [1])
+    worker.in_flight[0] = store
+    worker.start_load_kv(ConnectorMetadata([load], [], {0}))
+    assert list(worker.in_flight) == [1] and worker.get_finished().finished_jobs == {0: True}
+
+
+def test_connector_output_finishes_each_job_once(conn):
+    """CONN-STEP-4: a reported store job completes its keys once; reporting it again is an error."""
+    c = conn()
+    r = req()
+    c.on_new_request(r)
+    job_id = c.build_connector_meta(sched_output(r, 12, [1, 2, 3])).store_jobs[0].job_id
+    c.update_connector_output(ConnectorOutput({job_id: True}))
+    assert c.manager.lookup(c.offload_keys(r)[2]) is True and c.jobs == {}
+    with pytest.raises(KeyError):
+        c.update_connector_output(ConnectorOutput({job_id: True}))
+
+
+def test_store_offered_again_after_no_room(conn):
+    """OFF-STORE-4: blocks prepare_store had no room for are offered again at the request's next step."""
+    c = conn(slots=1)
+    r = req()
+    c.on_new_request(r)
+    assert c.build_connector_meta(sched_output(r, 12, [1, 2, 3])).store_jobs == []
+    c.manager.prepare_store([K[0]])
+    c.manager.complete_store([K[0]], success=True)
+    assert c.recorder.store_offers == [("r", [0, 1, 2])] and c.states["r"].next_stored_index == 0
+
+
+def test_store_job_reads_whole_offloaded_blocks(conn):
+    """OFF-STORE-5: a store job reads every GPU block of each written offloaded block, into its slot's rows."""
+    c = conn(factor=3)
+    r = req(prompt=PROMPT * 2)
+    c.on_new_request(r)
+    [job] = c.build_connector_meta(sched_output(r, 24, list(range(1, 7)))).store_jobs
+    assert job.gpu_blocks == [1, 2, 3, 4, 5, 6] and sorted(job.rows) == list(range(6))
+    assert job.rows[:3] == [job.rows[0] + i for i in range(3)]
+
+
+def test_finished_with_store_only_is_not_delayed(conn):
+    """CONN-FIN-1: request_finished returns False with only stores in flight, True with a load in flight."""
+    c = conn()
+    r, s = req("r"), req("s")
+    c.on_new_request(r)
+    c.on_new_request(s)
+    c.build_connector_meta(sched_output(r, 12, [1, 2, 3]))
+    assert c.request_finished(r) is False and set(c.store_jobs_by_gpu_block) == {1, 2, 3}
+    stored(c.manager, *c.offload_keys(s))
+    c.get_num_new_matched_tokens(s, 0)
+    c.update_state_after_alloc(s, [4, 5, 6], 12)
+    assert c.request_finished(s) is True
+
+
+# --- transfer -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_transfer_round_trip_bytes_equal(dtype):
+    """XFER-COPY-1: GPU blocks copied to store rows and back come back byte for byte."""
+    transfer = TransferEngine(6, 2, 4, 2, 8, dtype, CPU)
+    transfer.gpu[1:3] = torch.rand(2, 4, 8).to(transfer.gpu.dtype)
+    original = transfer.gpu[1:3].clone()
+    transfer.copy_to_store([1, 2], transfer.store_rows(1, 0, 2))
+    transfer.copy_to_gpu(transfer.store_rows(1, 0, 2), [4, 5])
+    assert torch.equal(transfer.gpu[4:6], original) and torch.equal(transfer.store[2:4], original)
+    with pytest.raises(InvalidCall):
+        TransferEngine(2, 1, 4, 1, 8, "int8", CPU)
+
+
+def test_kv_content_deterministic():
+    """XFER-DATA-1: KV bytes depend only on the extra keys and the token prefix."""
+    states = kv_content.token_states(kv_content.initial_state(None, None), PROMPT)
+    again = kv_content.token_states(kv_content.initial_state(None, None), PROMPT[:5] + (0,), states[:5])
+    assert again[:5] == states[:5] and again[5] != states[5]
+    assert kv_content.initial_state(None, "a") != kv_content.initial_state(None, None)
+    assert torch.equal(kv_content.kv_values(states, 8, torch.float16), kv_content.kv_values(list(states), 8, torch.float16))
+
+
+def test_next_token_deterministic():
+    """XFER-DATA-2: the sampled token is the chain state of the last token modulo the vocabulary."""
+    assert [kv_content.next_token(s) for s in (0, 5, 6, 7)] == [0, 1, 2, 3]
+
+
+def test_load_rows_start_mid_offloaded_block(conn):
+    """XFER-LOAD-1: a load starting inside an offloaded block reads that block's rows from the hit position on."""
+    c = conn(factor=3)
+    r = req(prompt=PROMPT * 2 + (0,))
+    c.on_new_request(r)
+    stored(c.manager, *c.offload_keys(r))
+    slots = [c.manager.policy.get(key).slot for key in c.offload_keys(r)]
+    c.get_num_new_matched_tokens(r, 4)
+    c.update_state_after_alloc(r, list(range(10, 17)), 20)
+    assert c.pending_loads[0].rows == [slots[0] * 3 + 1, slots[0] * 3 + 2, *(slots[1] * 3 + i for i in range(3))]
+
+
+def test_stores_submitted_after_forward():
+    """XFER-STORE-1: store jobs are submitted in wait_for_save, after the forward, not in start_load_kv."""
+    worker = OffloadConnectorWorker(TransferEngine(4, 2, 4, 1, 2, "float32", CPU))
+    meta = ConnectorMetadata([], [TransferJob(0, "r", True, [K[0]], [0], [1], [0])], set())
+    worker.start_load_kv(meta)
+    assert worker.in_flight == {}
+    worker.wait_for_save(meta)
+    assert worker.store_sources_in_flight() == {1}
+
+
+# --- scheduling ---------------------------------------------------------------------------------
+
+
+def test_sync_step_processes_its_own_output(engine):
+    """SCHED-STEP-1: in sync mode a step's sampled tokens are processed in that same step."""
+    e = engine()
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT))
+    result = e.step()
+    assert result.scheduled_tokens == {"r": 12} and result.finished == ["r"] and e.requests["r"].output != []
+
+
+def test_running_before_waiting_within_budget(engine):
+    """SCHED-ORDER-1: running requests are scheduled first; waiting ones get what is left of the budget."""
+    e = engine(max_num_batched_tokens=8)
+    e.add_request(RequestSpec(request_id="a", prompt=PROMPT * 2))
+    e.add_request(RequestSpec(request_id="b", prompt=(1, 1, 1, 1)))
+    assert [e.step().scheduled_tokens for _ in range(3)] == [{"a": 8}, {"a": 8}, {"a": 8}]
+    assert e.step().scheduled_tokens == {"b": 4}
+
+
+def test_allocate_slots_none_when_short():
+    """SCHED-ALLOC-1: allocate_slots returns None and allocates nothing when the pool is short."""
+    kv = KVCacheManager(3, 4)
+    assert kv.allocate_slots(req(), 12, [], 0, delay_caching=False) is None
+    assert kv.pool.num_free_blocks == 2 and kv.blocks_of("r") == []
+
+
+def test_preempt_newest_when_pool_short(engine):
+    """SCHED-PREEMPT-1: a running request short of blocks preempts the newest running request."""
+    e = engine(num_gpu_blocks=5)
+    e.add_request(RequestSpec(request_id="a", prompt=PROMPT[:8], max_tokens=3))
+    e.add_request(RequestSpec(request_id="b", prompt=PROMPT[:8], max_tokens=3))
+    e.step()
+    result = e.step()
+    assert result.scheduled_tokens == {"a": 1} and e.requests["b"].num_computed_tokens == 0
+    assert [r.request_id for r in e.waiting] == ["b"]
+
+
+def test_async_output_lags_one_step(engine):
+    """SCHED-ASYNC-1: with async scheduling a step's output is processed in the next step."""
+    e = engine(async_scheduling=True)
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT))
+    assert e.step().finished == [] and e.requests["r"].num_output_placeholders == 1
+    assert e.step().finished == ["r"]
+
+
+# --- lifecycle ----------------------------------------------------------------------------------
+
+
+def test_request_id_reuse_is_invalid(engine):
+    """LIFE-ADD-1: adding a request id that was already used is an invalid call."""
+    e = engine()
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT))
+    with pytest.raises(InvalidCall):
+        e.add_request(RequestSpec(request_id="r", prompt=PROMPT))
+
+
+def test_abort_during_load_delays_free(loading):
+    """LIFE-ABORT-1: aborting a request whose load is in flight keeps its GPU blocks until the load ends."""
+    loading.abort("r1")
+    assert loading.delayed_free == {"r1"} and len(loading.kv.blocks_of("r1")) == 3
+    loading.complete_transfers(False, False)
+    assert loading.step().freed == ["r1"] and loading.kv.blocks_of("r1") == []
+    with pytest.raises(InvalidCall):
+        loading.abort("r1")
+
+
+def test_preemption_resets_computed_tokens(engine):
+    """LIFE-PREEMPT-1: preemption frees the request's blocks and resets its computed tokens to 0."""
+    e = engine()
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT, max_tokens=3))
+    e.step()
+    e.preempt("r")
+    assert e.requests["r"].num_computed_tokens == 0 and e.kv.blocks_of("r") == [] and e.waiting[0].request_id == "r"
+    assert e.kv.pool.num_free_blocks == 15
+
+
+def test_load_waits_then_counts_as_computed(loading):
+    """LIFE-LOAD-1: a loading request is not scheduled until its load is reported done."""
+    assert loading.step().scheduled_tokens == {}
+    loading.complete_transfers(False, False)
+    assert loading.step().scheduled_tokens == {}
+    assert loading.step().scheduled_tokens == {"r1": 1}
+
+
+def test_full_prompt_load_recomputes_last_token(loading):
+    """LIFE-LOAD-2: when a load covers the whole prompt the last token is recomputed."""
+    loading.complete_transfers(False, False)
+    loading.step()
+    result = loading.step()
+    assert result.scheduled_tokens == {"r1": 1} and result.computed_tokens == {"r1": 12}
+
+
+def test_failed_load_falls_back_to_local_hit(loading):
+    """LIFE-LOAD-3: a failed load leaves only the local hit computed; the rest is recomputed."""
+    loading.complete_transfers(True, False)
+    loading.step()
+    assert loading.step().scheduled_tokens == {"r1": 8}
+
+
+def test_delayed_free_released_when_jobs_end(conn):
+    """LIFE-FREE-1: a finished request the connector delayed is released once its last job is reported."""
+    c = conn()
+    r = req()
+    c.on_new_request(r)
+    stored(c.manager, *c.offload_keys(r))
+    c.get_num_new_matched_tokens(r, 0)
+    c.update_state_after_alloc(r, [1, 2, 3], 12)
+    job_id = c.build_connector_meta(SchedulerOutput({}, {}, {}, set(), set())).load_jobs[0].job_id
+    assert c.request_finished(r) is True
+    assert c.update_connector_output(ConnectorOutput({job_id: True})).released == {"r"} and c.manager.num_pinned() == 0
+
+
+def test_store_flushed_before_blocks_reused(conn):
+    """LIFE-FREE-2: an in-flight store is flushed in the step its GPU blocks are reallocated or its request preempted."""
+    c = conn()
+    r, s = req("r"), req("s", (1,) * 8)
+    c.on_new_request(r)
+    c.on_new_request(s)
+    job_id = c.build_connector_meta(sched_output(r, 12, [1, 2, 3])).store_jobs[0].job_id
+    c.request_finished(r)
+    assert c.build_connector_meta(sched_output(s, 3, [2], allocated=[2])).jobs_to_flush == {job_id}
+    store = c.build_connector_meta(sched_output(s, 8, [2, 4])).store_jobs[0].job_id
+    assert c.build_connector_meta(sched_output(s, 0, [2, 4], preempted=["s"])).jobs_to_flush == {store}
+
+
+# --- conformance --------------------------------------------------------------------------------
+
+
+def test_observations_are_validated():
+    """CONF-OBS-1: observations are validated: a negative count or an unknown field is rejected."""
+    with pytest.raises(ValidationError):
+        StepObservation(scheduled_tokens={}, computed_tokens={}, loads=({"request_id": "r", "offload_indices": (),
+                                                                          "first_gpu_block": -1, "num_gpu_blocks": 1},))
+    with pytest.raises(ValidationError):
+        StepObservation(scheduled_tokens={}, computed_tokens={}, surprise=1)
+
+
+def test_blockref_identity(engine):
+    """CONF-OBS-2: a BlockRef stands for its block's hash; one naming no full offloaded block is a violation."""
+    e = engine(block_size_factor=3)
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT + (0,)))
+    ctx = Context(e.config, {}, e)
+    assert ctx.identity(BlockRef(request_id="r", index=0)) == e.requests["r"].block_hashes[2]
+    with pytest.raises(ClauseViolation, match="CONF-OBS-2"):
+        ctx.identity(BlockRef(request_id="r", index=1))
+
+
+def test_adapter_exception_is_call_failure():
+    """CONF-CALL-1: an exception raised by the adapter is reported as CONF-CALL-1 naming the call."""
+    machine = ConnectorStateMachine()
+    machine.sut = object()
+    with pytest.raises(ClauseViolation, match=r"CONF-CALL-1.*adapter\.step"):
+        machine.call("step")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_configs_within_capabilities(data):
+    """CONF-CAP-1: the harness draws engine configurations only within the adapter's capabilities."""
+    caps = Capabilities(async_scheduling=False, eviction_policies=("arc",), block_size_factors=(2,))
+    config = data.draw(engine_configs(caps))
+    assert (config.async_scheduling, config.eviction_policy, config.block_size_factor) == (False, "arc", 2)
+
+
+def test_harness_error_is_run_failure(monkeypatch):
+    """CONF-RUN-1: a harness (Hypothesis) error fails the run as CONF-RUN-1, not as a pass."""
+    def broken(*args, **kwargs):
+        raise InvalidArgument("broken settings")
+    monkeypatch.setattr(runner, "run_state_machine_as_test", broken)
+    result = runner.run(lambda: None, "broken")
+    assert (result.passed, result.failed_clause) == (False, "CONF-RUN-1")

@@ -1,0 +1,106 @@
+"""Traceability: the spec's clauses, the reference symbols that realise them and the checks that test them agree."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from kvconform.conformance.checks import CHECKS
+from kvconform.spec.registry import clauses, spec_version
+
+ROOT = Path(__file__).resolve().parent.parent
+CLAUSE_ID = re.compile(r"\b[A-Z]{3,5}(?:-[A-Z]+)*-\d+\b")
+SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
+CLAUSES = clauses()
+
+
+def resolve(symbol: str) -> object:
+    """Import the longest importable `kvconform.<prefix>` of a dotted symbol, then getattr the rest."""
+    parts = symbol.split(".")
+    for split in range(len(parts), 0, -1):
+        module = "kvconform." + ".".join(parts[:split])
+        try:
+            found: object = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name is not None and not module.startswith(error.name):
+                raise
+            continue
+        for name in parts[split:]:
+            found = getattr(found, name)
+        return found
+    raise ModuleNotFoundError(f"no module of kvconform.{symbol} can be imported")
+
+
+def test_spec_has_clauses():
+    assert len(CLAUSES) > 0
+
+
+@pytest.mark.parametrize("clause_id", sorted(CLAUSES))
+def test_clause_has_checks_and_text(clause_id):
+    clause = CLAUSES[clause_id]
+    assert clause.checks, f"{clause_id} lists no check"
+    assert clause.symbols, f"{clause_id} names no realising symbol"
+    assert re.search(r"\*\*(MUST|MUST NOT|SHOULD|SHOULD NOT|MAY)\*\*", clause.text), f"{clause_id} has no normative keyword"
+
+
+@pytest.mark.parametrize("clause_id", sorted(CLAUSES))
+def test_symbols_resolve(clause_id):
+    for symbol in CLAUSES[clause_id].symbols:
+        assert not symbol.startswith("kvconform."), f"{clause_id}: write {symbol!r} without the kvconform. prefix"
+        resolve(symbol)
+
+
+@pytest.mark.parametrize("clause_id", sorted(CLAUSES))
+def test_listed_checks_exist_and_are_registered(clause_id):
+    for name in CLAUSES[clause_id].checks:
+        if "::" in name:
+            path, function = name.split("::", 1)
+            file = ROOT / path
+            assert file.is_file(), f"{clause_id}: {path} does not exist"
+            defined = {node.name for node in ast.parse(file.read_text()).body if isinstance(node, ast.FunctionDef)}
+            assert function in defined, f"{clause_id}: {path} defines no {function}()"
+        else:
+            assert name in CHECKS, f"{clause_id}: {name!r} is neither a registered check nor a pytest node id"
+            assert clause_id in CHECKS[name].clauses, f"{clause_id} lists {name}, which is not registered for it"
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_registrations_name_clauses_that_list_them(name):
+    for clause_id in CHECKS[name].clauses:
+        assert clause_id in CLAUSES, f"{name} is registered for {clause_id}, which the spec does not define"
+        assert name in CLAUSES[clause_id].checks, f"{clause_id} does not list {name}, registered for it"
+
+
+def test_cited_clause_ids_exist():
+    cited: dict[str, set[str]] = {}
+    for folder in ("reference", "conformance", "adapters"):
+        for file in sorted((ROOT / folder).rglob("*.py")):
+            for clause_id in CLAUSE_ID.findall(file.read_text()):
+                cited.setdefault(clause_id, set()).add(str(file.relative_to(ROOT)))
+    missing = {clause_id: sorted(files) for clause_id, files in cited.items() if clause_id not in CLAUSES}
+    assert not missing, f"cited but not in the spec: {missing}"
+
+
+def test_clause_ids_cited_in_spec_text_exist():
+    missing = {(c.id, ref) for c in CLAUSES.values() for ref in CLAUSE_ID.findall(c.text) if ref not in CLAUSES}
+    assert not missing, f"clauses cite undefined clauses: {sorted(missing)}"
+
+
+def test_pytest_tests_cite_their_clause():
+    """Every reference test a clause lists names that clause in its docstring's first line."""
+    for clause in CLAUSES.values():
+        for name in clause.checks:
+            if "::" in name:
+                path, function = name.split("::", 1)
+                tree = ast.parse((ROOT / path).read_text())
+                node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+                first = (ast.get_docstring(node) or "").splitlines()[:1]
+                assert first and clause.id in first[0], f"{name} is listed for {clause.id} but its docstring cites {first}"
+
+
+def test_spec_version_is_semver():
+    assert SEMVER.match(spec_version()), spec_version()
