@@ -399,14 +399,20 @@ def test_load_job_is_exactly_the_reported_tokens(conn):
     assert [job.gpu_blocks for job in c.pending_loads] == [[1, 2]]
 
 
-def test_meta_carries_this_steps_loads_once(conn):
-    """CONN-STEP-1: build_connector_meta hands out the step's load jobs once."""
+def pending_full_load(conn):
+    """Return a connector with a load of a fully stored 12-token request pending, and that request."""
     c = conn()
     r = req()
     c.on_new_request(r)
     stored(c.manager, *c.offload_keys(r))
     c.get_num_new_matched_tokens(r, 0)
     c.update_state_after_alloc(r, [1, 2, 3], 12)
+    return c, r
+
+
+def test_meta_carries_this_steps_loads_once(conn):
+    """CONN-STEP-1: build_connector_meta hands out the step's load jobs once."""
+    c, r = pending_full_load(conn)
     empty = SchedulerOutput({}, {}, {}, set(), set())
     assert [job.keys for job in c.build_connector_meta(empty).load_jobs] == [c.offload_keys(r)]
     assert c.build_connector_meta(empty).load_jobs == []
@@ -637,12 +643,7 @@ def test_failed_load_falls_back_to_local_hit(loading):
 
 def test_delayed_free_released_when_jobs_end(conn):
     """LIFE-FREE-1: a finished request the connector delayed is released once its last job is reported."""
-    c = conn()
-    r = req()
-    c.on_new_request(r)
-    stored(c.manager, *c.offload_keys(r))
-    c.get_num_new_matched_tokens(r, 0)
-    c.update_state_after_alloc(r, [1, 2, 3], 12)
+    c, r = pending_full_load(conn)
     job_id = c.build_connector_meta(SchedulerOutput({}, {}, {}, set(), set())).load_jobs[0].job_id
     assert c.request_finished(r) is True
     assert c.update_connector_output(ConnectorOutput({job_id: True})).released == {"r"} and c.manager.num_pinned() == 0
