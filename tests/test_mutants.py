@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from mutants import MUTANTS
-
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.conformance import runner, vectors
+from kvconform.conformance.mutants import MUTANTS
 
 
 def test_reference_conforms() -> None:
@@ -18,10 +17,10 @@ def test_reference_conforms() -> None:
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_killed_with_its_clause(name: str) -> None:
     """The ci profile kills the mutant and names the clause the bug breaks."""
-    adapter, clause = MUTANTS[name]
-    result = runner.run(adapter, name, "ci")
+    row = MUTANTS[name]
+    result = runner.run(row.adapter, name, "ci")
     assert not result.passed, f"mutant {name} survived the ci profile"
-    assert result.failed_clause == clause, f"{name}: expected {clause}, got {result.failed_clause}: {result.message}"
+    assert result.failed_clause == row.clause, f"{name}: expected {row.clause}, got {result.failed_clause}: {result.message}"
 
 
 @pytest.mark.parametrize("name", vectors.bundled())
@@ -35,5 +34,5 @@ def test_reference_meets_vector(name: str) -> None:
 def test_seed_vectors_kill_seed_mutants(name: str, mutant: str, clause: str) -> None:
     """The seed-scenario vectors fail the seed bug and the PR's rejected first draft with the seed clauses."""
     with pytest.raises(Exception) as failure:
-        vectors.replay(vectors.load(name), MUTANTS[mutant][0]())
+        vectors.replay(vectors.load(name), MUTANTS[mutant].adapter())
     assert getattr(failure.value, "clause", None) == clause

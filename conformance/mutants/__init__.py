@@ -1,9 +1,12 @@
-"""Mutant adapters: the reference with one real vLLM bug put back. Test data, not shipped adapters.
+"""Mutant adapters: the reference with one real vLLM bug put back (spec chapter `conformance`).
 
-Each mutant names the vLLM issue or PR whose bug it reintroduces and the clause the kit must fail.
+They are data for the kit's own tests and for `kvconform mutants`, deliberately not registered as
+adapters. Each names the vLLM issue or PR whose bug it reintroduces and the clause the kit must fail.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.reference.connector import OffloadConnectorScheduler
@@ -80,12 +83,21 @@ class LoadCoversLastTokenEngine(Engine):
             request.num_computed_tokens = num_computed
 
 
+@dataclass(frozen=True)
+class Mutant:
+    """One catalogue row: the broken adapter, the vLLM reference of the bug, the clause it must fail."""
+
+    adapter: type[ReferenceAdapter]
+    vllm_ref: str
+    clause: str
+
+
 MUTANTS = {
-    "skip-flag-ignored": (mutant(connector_class=SkipFlagIgnoredConnector), "OFF-READ-1"),
-    "skip-returns-early": (mutant(connector_class=SkipReturnsEarlyConnector), "OFF-READ-3"),
-    "async-flag-on-zero": (mutant(connector_class=AsyncFlagOnZeroConnector), "CONN-MATCH-2"),
-    "load-covers-last-token": (mutant(LoadCoversLastTokenEngine), "PFX-HIT-3"),
-    "lookup-past-miss": (mutant(connector_class=LookupPastMissConnector), "OFF-LOOKUP-2"),
-    "evicts-kept-keys": (mutant(manager_class=EvictsKeptKeysManager), "OFF-MGR-7"),
+    "skip-flag-ignored": Mutant(mutant(connector_class=SkipFlagIgnoredConnector), "#44585 / PR #44592", "OFF-READ-1"),
+    "skip-returns-early": Mutant(mutant(connector_class=SkipReturnsEarlyConnector), "PR #44592 (first draft)", "OFF-READ-3"),
+    "async-flag-on-zero": Mutant(mutant(connector_class=AsyncFlagOnZeroConnector), "base.py contract", "CONN-MATCH-2"),
+    "load-covers-last-token": Mutant(mutant(LoadCoversLastTokenEngine), "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "lookup-past-miss": Mutant(mutant(connector_class=LookupPastMissConnector), "offloading scheduler contract", "OFF-LOOKUP-2"),
+    "evicts-kept-keys": Mutant(mutant(manager_class=EvictsKeptKeysManager), "#35846", "OFF-MGR-7"),
 }
-"""Mutant name → (adapter class, the clause the kit must report)."""
+"""Mutant name → catalogue row."""
