@@ -209,6 +209,8 @@ class Engine:
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int]) -> int:
         """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1)."""
+        loaded = [request for request in self.waiting if request.request_id in self.loads_done]
+        self.waiting = loaded + [request for request in self.waiting if request not in loaded]  # SCHED-ORDER-1
         for request in list(self.waiting):
             if budget == 0:
                 break
@@ -322,7 +324,9 @@ class Engine:
 
     def computed_kv(self, request_id: str) -> torch.Tensor:
         """Return the GPU KV rows of a request's computed tokens."""
-        request = self.requests[request_id]
+        request = self.requests.get(request_id)
+        if request is None:
+            raise InvalidCall("CONF-OBS-2", f"unknown request id {request_id!r}")
         return self.transfer.read_tokens(self.kv.blocks_of(request_id), request.num_computed_tokens)
 
     def in_flight_job_count(self) -> int:

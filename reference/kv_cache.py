@@ -31,7 +31,8 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[int]:
         """Return `count` blocks from the free queue's front, evicting their cached hashes (PFX-EVICT-1)."""
-        assert count <= self.num_free_blocks
+        if not 0 <= count <= self.num_free_blocks:
+            raise InvalidCall("SCHED-ALLOC-1", f"allocate({count}) with {self.num_free_blocks} free blocks")
         blocks = []
         for _ in range(count):
             block_id, _ = self.free_queue.popitem(last=False)
@@ -42,19 +43,29 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Take one more reference on cached blocks, removing free ones from the queue (PFX-HIT-1)."""
-        for block_id in blocks:
+        for block_id in self.valid_ids(blocks):
             if self.ref_counts[block_id] == 0:
                 del self.free_queue[block_id]
             self.ref_counts[block_id] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference per block; a block at zero joins the queue's tail (PFX-EVICT-1)."""
+        blocks = self.valid_ids(blocks)
         for block_id in blocks:
-            if self.ref_counts[block_id] <= 0:
-                raise InvalidCall("PFX-REF-1", f"block {block_id} freed with ref count 0")
+            if self.ref_counts[block_id] < blocks.count(block_id):
+                raise InvalidCall("PFX-REF-1", f"block {block_id} freed more often than it is referenced")
+        for block_id in blocks:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_queue[block_id] = None
+
+    def valid_ids(self, blocks: Iterable[int]) -> list[int]:
+        """Return `blocks` as a list if every id names a real block, never the null block (PFX-NULL-1)."""
+        blocks = list(blocks)
+        for block_id in blocks:
+            if not 0 < block_id < self.num_blocks:
+                raise InvalidCall("PFX-NULL-1", f"block id {block_id} is not one of blocks 1..{self.num_blocks - 1}")
+        return blocks
 
     def cache(self, block_id: int, block_hash: BlockHash) -> None:
         """Register a full, computed block under its hash; the first block with a hash wins (PFX-HIT-2)."""
@@ -116,6 +127,9 @@ class KVCacheManager:
         delay_caching: bool,
     ) -> list[int] | None:
         """Give a request blocks for its new tokens; None when the pool is short (SCHED-ALLOC-1)."""
+        if num_new_tokens < 0 or num_external_tokens < 0:
+            raise InvalidCall("SCHED-ALLOC-1", f"negative token counts {num_new_tokens}, {num_external_tokens}")
+        computed_blocks = self.pool.valid_ids(computed_blocks)
         owned = self.req_blocks.setdefault(request.request_id, [])
         num_local = len(computed_blocks) * self.block_size
         total_tokens = request.num_computed_tokens + num_local + num_external_tokens + num_new_tokens

@@ -52,11 +52,13 @@ class TransferEngine:
 
     def copy_to_store(self, gpu_blocks: Sequence[int], rows: Sequence[int]) -> None:
         """Copy GPU blocks into store rows as one batched gather and scatter (XFER-COPY-1)."""
+        self._check_pairing(gpu_blocks, rows)
         source = self.gpu.index_select(0, self._index(gpu_blocks, self.device))
         self.store.index_copy_(0, self._index(rows, self.store.device), source.to(self.store.device))
 
     def copy_to_gpu(self, rows: Sequence[int], gpu_blocks: Sequence[int]) -> None:
         """Copy store rows into GPU blocks as one batched gather and scatter (XFER-COPY-1)."""
+        self._check_pairing(gpu_blocks, rows)
         source = self.store.index_select(0, self._index(rows, self.store.device))
         self.gpu.index_copy_(0, self._index(gpu_blocks, self.device), source.to(self.device, non_blocking=True))
 
@@ -72,6 +74,13 @@ class TransferEngine:
             return self.gpu.new_zeros(0, self.gpu.shape[2]).cpu()
         rows = self.gpu.index_select(0, self._index(gpu_blocks, self.device)).reshape(-1, self.gpu.shape[2])
         return rows[:num_tokens].cpu()
+
+    def _check_pairing(self, gpu_blocks: Sequence[int], rows: Sequence[int]) -> None:
+        """One store row per GPU block, each in range; block 0 is the null block (XFER-COPY-1, PFX-NULL-1)."""
+        if len(gpu_blocks) != len(rows):
+            raise InvalidCall("XFER-COPY-1", f"{len(gpu_blocks)} GPU blocks paired with {len(rows)} store rows")
+        if any(not 0 < block < len(self.gpu) for block in gpu_blocks) or any(not 0 <= row < len(self.store) for row in rows):
+            raise InvalidCall("XFER-COPY-1", f"GPU blocks {list(gpu_blocks)} or store rows {list(rows)} out of range")
 
     @staticmethod
     def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
