@@ -12,11 +12,12 @@ import abc
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # revalidate_instances: an adapter may hand back a model built with `model_construct`, unvalidated (CONF-OBS-1)
+    model_config = ConfigDict(frozen=True, extra="forbid", revalidate_instances="always")
 
 
 class EngineConfig(_Frozen):
@@ -71,7 +72,7 @@ class LoadJob(_Frozen):
     """A load: offloaded blocks into the request's GPU blocks `first_gpu_block .. +num_gpu_blocks` (logical)."""
 
     request_id: str
-    offload_indices: tuple[int, ...]
+    offload_indices: tuple[NonNegativeInt, ...]
     first_gpu_block: int = Field(ge=0)
     num_gpu_blocks: int = Field(ge=1)
 
@@ -80,24 +81,24 @@ class StoreJob(_Frozen):
     """Offloaded blocks of one request, offered to the store or written by it."""
 
     request_id: str
-    offload_indices: tuple[int, ...]
+    offload_indices: tuple[NonNegativeInt, ...]
 
 
 class StepObservation(_Frozen):
     """Everything one engine step did that the spec constrains."""
 
-    scheduled_tokens: dict[str, int]
-    computed_tokens: dict[str, int] = Field(description="num_computed_tokens of every unfinished request after the step")
+    scheduled_tokens: dict[str, NonNegativeInt]
+    computed_tokens: dict[str, NonNegativeInt] = Field(description="num_computed_tokens of every unfinished request after the step")
     match_answers: tuple[MatchAnswer, ...] = ()
-    lookups: dict[str, tuple[int, ...]] = Field(default_factory=dict, description="offloaded block indices looked up, in order")
+    lookups: dict[str, tuple[NonNegativeInt, ...]] = Field(default_factory=dict, description="offloaded block indices looked up, in order")
     loads: tuple[LoadJob, ...] = ()
     store_offers: tuple[StoreJob, ...] = ()
     stores: tuple[StoreJob, ...] = ()
     evicted: tuple[BlockRef, ...] = ()
     finished: tuple[str, ...] = ()
     freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
-    forward_writes: frozenset[int] = Field(frozenset(), description="physical GPU blocks the forward wrote")
-    store_reads_in_flight: frozenset[int] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
+    forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")
+    store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
 
 
 class StoreSnapshot(_Frozen):

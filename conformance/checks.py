@@ -25,10 +25,11 @@ Kind = Literal["step", "store", "data", "drain"]
 class ClauseViolation(AssertionError):
     """The adapter under test broke a clause; `clause` is its ID."""
 
-    def __init__(self, clause: str, message: str) -> None:
+    def __init__(self, clause: str, message: str, adapter_traceback: str | None = None) -> None:
         super().__init__(f"[{clause}] {message}")
         self.clause = clause
         self.detail = message
+        self.adapter_traceback = adapter_traceback
 
 
 @dataclass

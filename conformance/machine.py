@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvconform.adapters.contract import Capabilities, EngineConfig, KVConnectorAdapter, RequestSpec, StepObservation
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, judging
 from kvconform.conformance.checks import ClauseViolation, Context, checks_of
 from kvconform.reference.request import RequestStatus
 
@@ -57,10 +58,11 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     adapter_factory: Callable[[], KVConnectorAdapter] = ReferenceAdapter
     coverage: dict[str, int] = {}
     on_example: Callable[[], None] | None = None
+    call_timeout: float | None = DEFAULT_CALL_TIMEOUT
 
     def __init__(self) -> None:
         super().__init__()
-        self.sut: KVConnectorAdapter | None = None
+        self.caller = AdapterCaller(self.call_timeout)
         self.oracle: ReferenceAdapter | None = None
         self.ctx: Context | None = None
         self.capabilities = Capabilities()
@@ -69,12 +71,8 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     # --- helpers ---------------------------------------------------------------------------
 
     def call(self, operation: str, *args: Any) -> Any:
-        """Call the adapter; anything it raises is a failure of CONF-CALL-1 naming the call."""
-        try:
-            return getattr(self.sut, operation)(*args)
-        except Exception as error:
-            raise ClauseViolation("CONF-CALL-1", f"adapter.{operation}{args!r} raised "
-                                                 f"{type(error).__name__}: {error}") from error
+        """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`)."""
+        return self.caller(operation, *args)
 
     def unfinished(self) -> list[str]:
         return sorted(r for r, req in self.oracle.engine.requests.items() if not req.is_finished)
@@ -83,17 +81,20 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         return sorted(r for r, req in self.oracle.engine.requests.items() if req.status is RequestStatus.RUNNING)
 
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
-        for each in checks_of("step"):
-            each.function(self.ctx, expected, actual)
-        store = self.oracle.store_contents()
-        for each in checks_of("store"):
-            each.function(self.ctx, store, self.call("store_contents"))
+        with judging("adapter.step()"):
+            for each in checks_of("step"):
+                each.function(self.ctx, expected, actual)
+        store, actual_store = self.oracle.store_contents(), self.call("store_contents")
+        with judging("adapter.store_contents()"):
+            for each in checks_of("store"):
+                each.function(self.ctx, store, actual_store)
         self.ctx.previous_store = store
         if self.capabilities.reads_kv:
             for request_id in self.running():
                 kv = self.call("computed_kv", request_id)
-                for each in checks_of("data"):
-                    each.function(self.ctx, request_id, kv)
+                with judging(f"adapter.computed_kv({request_id!r})"):
+                    for each in checks_of("data"):
+                        each.function(self.ctx, request_id, kv)
 
     # --- rules -------------------------------------------------------------------------------
 
@@ -101,8 +102,8 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def start(self, data: st.DataObject) -> None:
         if self.on_example is not None:
             self.on_example()
-        self.sut = self.adapter_factory()
-        self.capabilities = self.sut.capabilities()
+        self.caller.build(self.adapter_factory)
+        self.capabilities = self.call("capabilities")
         config = data.draw(engine_configs(self.capabilities), label="config")
         note(f"state.start({config!r})")
         self.oracle = ReferenceAdapter()
@@ -171,8 +172,8 @@ class ConnectorStateMachine(RuleBasedStateMachine):
             raise ClauseViolation("PFX-RESET-1", f"reset_prefix_cache returned {actual!r}, reference {expected!r}")
 
     def teardown(self) -> None:
-        if self.sut is not None:
-            self.sut.close()
+        if self.caller.adapter is not None and not self.caller.hung:
+            self.call("close")
 
     @rule()
     def drain(self) -> None:
@@ -185,15 +186,18 @@ class ConnectorStateMachine(RuleBasedStateMachine):
             self.call("complete_transfers", False, False)
             self.compare_step(self.oracle.step(), self.call("step"))
             steps += 1
+        usage = self.call("resource_usage")
         for each in checks_of("drain"):
             each.function(self.ctx, self.oracle.resource_usage(), steps)
-            each.function(self.ctx, self.call("resource_usage"), steps)
+            with judging("adapter.resource_usage()"):
+                each.function(self.ctx, usage, steps)
 
 
 def machine_for(
     adapter_factory: Callable[[], KVConnectorAdapter],
     coverage: dict[str, int] | None = None,
     on_example: Callable[[], None] | None = None,
+    call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
 ) -> type[ConnectorStateMachine]:
     """Return a state-machine class that tests the adapters `adapter_factory` builds."""
     name = getattr(adapter_factory, "__name__", "Adapter")
@@ -201,5 +205,6 @@ def machine_for(
         "adapter_factory": staticmethod(adapter_factory),
         "coverage": {} if coverage is None else coverage,
         "on_example": None if on_example is None else staticmethod(on_example),
+        "call_timeout": call_timeout,
     }
     return type(f"ConnectorStateMachine_{name}", (ConnectorStateMachine,), namespace)

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 import kvconform
 from kvconform.adapters.contract import Capabilities
-from kvconform.conformance.runner import RunResult
+from kvconform.conformance.runner import Outcome, RunResult
 from kvconform.spec import registry
 
 Verdict = Literal["pass", "fail", "not exercised"]
@@ -35,10 +35,12 @@ class RunReport(BaseModel):
     profile: str
     seed: int | None
     passed: bool
+    outcome: Outcome
     seconds: float
     failed_clause: str | None
     message: str | None
     counterexample: str | None
+    adapter_traceback: str | None
     clauses: list[ClauseResult]
 
 
@@ -52,8 +54,9 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
     return RunReport(
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
-        seed=result.seed, passed=result.passed, seconds=round(result.seconds, 3), failed_clause=result.failed_clause,
-        message=result.message, counterexample=result.counterexample, clauses=clauses,
+        seed=result.seed, passed=result.passed, outcome=result.outcome, seconds=round(result.seconds, 3),
+        failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
+        adapter_traceback=result.adapter_traceback, clauses=clauses,
     )
 
 
@@ -61,6 +64,10 @@ def write_atomically(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename, so no reader sees half a report."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "w") as stream:
-        stream.write(text)
-    os.replace(temporary, path)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise

@@ -6,15 +6,21 @@ import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from hypothesis import reporting
 from hypothesis.errors import HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.machine import machine_for
 from kvconform.conformance.profiles import profile_settings
+
+
+Outcome = Literal["ok", "fail", "info"]
+"""Jepsen's outcomes: conformant, a clause failed, or unknown (an adapter call never returned, CONF-CALL-2)."""
 
 
 @dataclass
@@ -30,6 +36,11 @@ class RunResult:
     failed_clause: str | None = None
     message: str | None = None
     counterexample: str | None = None
+    adapter_traceback: str | None = None
+
+    @property
+    def outcome(self) -> Outcome:
+        return "ok" if self.passed else "info" if self.failed_clause == AdapterHung.clause else "fail"
 
     @property
     def counterexample_requests(self) -> int:
@@ -43,10 +54,11 @@ def run(
     profile: str = "ci",
     seed: int | None = None,
     on_example: Callable[[], None] | None = None,
+    call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
 ) -> RunResult:
     """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample."""
     coverage: dict[str, int] = {}
-    machine = machine_for(adapter_factory, coverage, on_example)
+    machine = machine_for(adapter_factory, coverage, on_example, call_timeout)
     if seed is not None:
         machine._hypothesis_internal_use_seed = seed
     output = io.StringIO()
@@ -60,6 +72,12 @@ def run(
         result.failed_clause = violation.clause
         result.message = violation.detail
         result.counterexample = _steps([*getattr(violation, "__notes__", []), output.getvalue()])
+        result.adapter_traceback = violation.adapter_traceback
+    except AdapterHung as hang:  # not shrunk: the unshrunk calls that led to the hang are the evidence
+        result.passed = False
+        result.failed_clause = hang.clause
+        result.message = hang.detail
+        result.counterexample = "\n".join(hang.trace)
     except HypothesisException as error:
         result.passed = False
         result.failed_clause = "CONF-RUN-1"

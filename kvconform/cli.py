@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE = 0, 1, 2
+from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
+
+EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @click.group()
@@ -26,36 +29,70 @@ def main() -> None:
 @click.option("--seed", type=int, default=None, help="Random seed (turns off the ci profile's derandomisation)")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the JSON report here")
-def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None) -> None:
+@click.option("--call-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_CALL_TIMEOUT,
+              show_default=True, help="Seconds one adapter call may take before its outcome is reported unknown")
+def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None,
+                call_timeout: float) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
-    from kvconform.adapters.registry import AdapterNotFound, resolve
     from kvconform.conformance import report, runner
     from kvconform.conformance.profiles import PROFILES
 
     console = Console(stderr=True)
     if profile not in PROFILES:
         _usage_error(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    try:
-        factory = resolve(adapter_spec)
-        probe = factory()
-        capabilities, version = probe.capabilities(), probe.implementation_version()
-        probe.close()
-    except AdapterNotFound as error:
-        _usage_error(str(error))
-    except Exception as error:  # the adapter could not even be built: a configuration problem
-        _usage_error(f"adapter {adapter_spec!r} could not be built: {type(error).__name__}: {error}")
+    if report_path is not None:
+        _check_writable(report_path)
+    factory, capabilities, version = _probe(adapter_spec, call_timeout)
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {version}, profile {profile}, seed {seed}")
     examples = PROFILES[profile]["max_examples"]
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task("examples", total=examples)
-        result = runner.run(factory, adapter_spec, profile, seed,
-                            on_example=lambda: progress.advance(task))
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task("examples", total=examples)
+            result = runner.run(factory, adapter_spec, profile, seed,
+                                on_example=lambda: progress.advance(task), call_timeout=call_timeout)
+    except KeyboardInterrupt:
+        click.echo("kvconform: interrupted; no report written", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     run_report = report.build(result, version, capabilities)
     _print_table(Console(), run_report)
     if report_path is not None:
-        report.write_atomically(report_path, run_report.model_dump_json(indent=2))
+        try:
+            report.write_atomically(report_path, run_report.model_dump_json(indent=2))
+        except OSError as error:
+            _usage_error(f"cannot write the report to {report_path}: {error.strerror or error}")
     sys.exit(EXIT_CONFORMANT if result.passed else EXIT_NONCONFORMANT)
+
+
+def _check_writable(path: Path) -> None:
+    """Exit 2 before a long run whose report could not be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        _usage_error(f"cannot write the report to {path}: {error.strerror or error}")
+    if not os.access(path.parent, os.W_OK):
+        _usage_error(f"cannot write the report to {path}: directory {path.parent} is not writable")
+
+
+def _probe(adapter_spec: str, call_timeout: float):
+    """Return the adapter's factory, capabilities and version, or exit 2 when it cannot even be asked."""
+    from kvconform.adapters.registry import AdapterNotFound, resolve
+    from kvconform.conformance.calls import AdapterCaller, AdapterHung
+    from kvconform.conformance.checks import ClauseViolation
+
+    caller = AdapterCaller(call_timeout)
+    try:
+        factory = resolve(adapter_spec)
+        caller.build(factory)
+        capabilities, version = caller("capabilities"), caller("implementation_version")
+        caller("close")
+    except AdapterNotFound as error:
+        _usage_error(str(error))
+    except (ClauseViolation, AdapterHung) as error:
+        if isinstance(error.__cause__, AdapterNotFound):
+            _usage_error(str(error.__cause__))
+        _usage_error(f"adapter {adapter_spec!r} cannot be used: {error.detail}")
+    return factory, capabilities, version
 
 
 def _print_table(console: Console, run_report) -> None:
@@ -66,12 +103,19 @@ def _print_table(console: Console, run_report) -> None:
     for clause in run_report.clauses:
         table.add_row(clause.id, clause.level, f"[{style[clause.verdict]}]{clause.verdict}[/]", str(clause.exercised))
     console.print(table)
-    if run_report.passed:
+    if run_report.outcome == "ok":
         console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s")
+        return
+    if run_report.outcome == "info":
+        console.print(f"[bold red]UNKNOWN outcome[/]: {run_report.failed_clause}: {run_report.message}")
+        console.print("adapter calls up to the hang (not shrunk):")
     else:
         console.print(f"[bold red]NOT conformant[/]: {run_report.failed_clause}: {run_report.message}")
         console.print("counterexample (replayable steps):")
-        console.print(run_report.counterexample or "(none captured)", markup=False, highlight=False)
+    console.print(run_report.counterexample or "(none captured)", markup=False, highlight=False)
+    if run_report.adapter_traceback:
+        console.print("adapter traceback:")
+        console.print(run_report.adapter_traceback, markup=False, highlight=False)
 
 
 def _usage_error(message: str) -> None:
@@ -86,3 +130,7 @@ def adapters_command() -> None:
 
     for name, target in sorted(available().items()):
         click.echo(f"{name}\t{target}")
+
+
+if __name__ == "__main__":
+    main()

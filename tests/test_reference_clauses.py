@@ -561,6 +561,20 @@ def test_running_before_waiting_within_budget(engine):
     assert e.step().scheduled_tokens == {"b": 4}
 
 
+def test_loaded_request_considered_before_preempted(engine):
+    """SCHED-ORDER-1: a request whose load finished is considered before a preempted one, so neither starves."""
+    e = engine(num_gpu_blocks=12, block_size_factor=1, num_offload_blocks=3, eviction_policy="arc",
+               max_num_batched_tokens=16)
+    prompt = (0, 2) * 12 + (0,) * 9
+    for request_id, extra in [("r0", {}), ("r1", {"cache_salt": "a"}), ("r2", {"lora_name": "x"}),
+                              ("r3", {"cache_salt": "a"}), ("r4", {})]:
+        e.add_request(RequestSpec(request_id=request_id, prompt=prompt[:12] if request_id == "r1" else prompt, **extra))
+    for _ in range(40):
+        e.complete_transfers(False, False)
+        e.step()
+    assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
+
+
 def test_allocate_slots_none_when_short():
     """SCHED-ALLOC-1: allocate_slots returns None and allocates nothing when the pool is short."""
     kv = KVCacheManager(3, 4)
@@ -687,7 +701,7 @@ def test_blockref_identity(engine):
 def test_adapter_exception_is_call_failure():
     """CONF-CALL-1: an exception raised by the adapter is reported as CONF-CALL-1 naming the call."""
     machine = ConnectorStateMachine()
-    machine.sut = object()
+    machine.caller.adapter = object()
     with pytest.raises(ClauseViolation, match=r"CONF-CALL-1.*adapter\.step"):
         machine.call("step")
 

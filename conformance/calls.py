@@ -1,0 +1,152 @@
+"""Calling the adapter under test: every call is timed out, traced and its result validated (chapter `conformance`).
+
+An adapter is untrusted code. Whatever it does — raise, return the wrong type or out-of-range values,
+or never return — becomes a named clause failure; it never crashes the harness and never passes.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ValidationError
+
+from kvconform.adapters.contract import (
+    Capabilities,
+    EngineConfig,
+    KVConnectorAdapter,
+    ResourceUsage,
+    StepObservation,
+    StoreSnapshot,
+)
+from kvconform.conformance.checks import ClauseViolation
+
+DEFAULT_CALL_TIMEOUT = 30.0
+"""Seconds one adapter call may take before its outcome is reported as unknown (CONF-CALL-2)."""
+
+RETURNS: dict[str, type] = {
+    "capabilities": Capabilities,
+    "implementation_version": str,
+    "step": StepObservation,
+    "store_contents": StoreSnapshot,
+    "resource_usage": ResourceUsage,
+    "reset_prefix_cache": bool,
+    "computed_kv": torch.Tensor,
+}
+"""What each contract method returns; the others return nothing the harness reads."""
+
+
+class AdapterHung(BaseException):
+    """A call did not return in time: its outcome is unknown (CONF-CALL-2).
+
+    A BaseException, so Hypothesis neither shrinks nor replays it: replaying a hang would only hang again.
+    """
+
+    clause = "CONF-CALL-2"
+
+    def __init__(self, call: str, timeout: float, trace: list[str]) -> None:
+        super().__init__(f"[CONF-CALL-2] {call} did not return within {timeout:g}s; outcome unknown")
+        self.detail = f"{call} did not return within {timeout:g}s; outcome unknown"
+        self.trace = trace
+
+
+class AdapterCaller:
+    """Calls one adapter, recording every call so a hang can be reported with the calls that led to it."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.adapter: KVConnectorAdapter | None = None
+        self.timeout = timeout
+        self.config: EngineConfig | None = None
+        self.trace: list[str] = []
+        self.hung = False
+
+    def build(self, factory: Callable[[], KVConnectorAdapter]) -> KVConnectorAdapter:
+        """Build the adapter under the same timeout and failure rules as any call (CONF-CALL-1, CONF-CALL-2)."""
+        self.adapter = self._invoke("adapter factory()", factory)
+        return self.adapter
+
+    def __call__(self, operation: str, *args: Any) -> Any:
+        """Return the adapter's validated answer to `operation(*args)` (CONF-CALL-1, CONF-CALL-2, CONF-OBS-1)."""
+        call = f"adapter.{operation}({', '.join(map(repr, args))})"
+        value = self._invoke(call, lambda: getattr(self.adapter, operation)(*args))
+        if operation == "start":
+            self.config = args[0]
+        return self.validated(call, operation, value)
+
+    def _invoke(self, call: str, function: Callable[[], Any]) -> Any:
+        self.trace.append(call)
+        try:
+            with _deadline(self.timeout, call, self.trace):
+                return function()
+        except AdapterHung:
+            self.hung = True
+            raise
+        except (Exception, SystemExit) as error:  # an adapter calling sys.exit must not end the run
+            raise ClauseViolation("CONF-CALL-1", f"{call} raised {type(error).__name__}: {error}",
+                                  adapter_traceback="".join(traceback.format_exception(error))) from error
+
+    def validated(self, call: str, operation: str, value: Any) -> Any:
+        """Return `value` if it is what the contract says `operation` returns, else fail CONF-OBS-1."""
+        expected = RETURNS.get(operation)
+        if expected is None:
+            return value
+        if not isinstance(value, expected) or (expected is bool and type(value) is not bool):
+            raise ClauseViolation("CONF-OBS-1", f"{call} returned {type(value).__name__} {_short(value)}, "
+                                                f"expected {expected.__name__}")
+        if issubclass(expected, BaseModel):
+            try:
+                return expected.model_validate(value)
+            except ValidationError as error:
+                raise ClauseViolation("CONF-OBS-1", f"{call} returned an invalid {expected.__name__}: "
+                                                    f"{_short(error)}") from None
+        if expected is torch.Tensor:
+            self._check_kv(call, value)
+        return value
+
+    def _check_kv(self, call: str, kv: torch.Tensor) -> None:
+        """KV rows are `[tokens, token_width]` of the configured dtype (CONF-OBS-1)."""
+        width, dtype = self.config.token_width, getattr(torch, self.config.kv_dtype)
+        if kv.dim() != 2 or kv.shape[1] != width or kv.dtype != dtype:
+            raise ClauseViolation("CONF-OBS-1", f"{call} returned a {kv.dtype} tensor of shape {tuple(kv.shape)}, "
+                                                f"expected {dtype} rows of width {width}")
+
+
+@contextmanager
+def judging(call: str) -> Iterator[None]:
+    """Name the adapter call whose answer a failing check judged (CONF-CALL-1: failures name the call)."""
+    try:
+        yield
+    except ClauseViolation as violation:
+        violation.detail = f"{call}: {violation.detail}"
+        raise
+
+
+def _short(value: object, limit: int = 300) -> str:
+    text = repr(value) if not isinstance(value, Exception) else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+class _deadline:
+    """Raise AdapterHung in the calling thread once `timeout` seconds pass (SIGALRM; main thread only)."""
+
+    def __init__(self, timeout: float | None, call: str, trace: list[str]) -> None:
+        self.armed = timeout is not None and threading.current_thread() is threading.main_thread()
+        self.timeout, self.call, self.trace = timeout, call, trace
+
+    def __enter__(self) -> None:
+        if self.armed:
+            self.previous = signal.signal(signal.SIGALRM, self._expire)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+    def _expire(self, signum: int, frame: object) -> None:
+        raise AdapterHung(self.call, self.timeout, list(self.trace))

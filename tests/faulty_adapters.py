@@ -1,0 +1,106 @@
+"""Faulty adapters: the reference adapter with one call made to misbehave after a few correct answers.
+
+Each fault class is one way untrusted adapter code goes wrong — it raises, exits, hangs, returns the
+wrong type, or returns out-of-range values. The kit must turn every one into a named clause failure
+(CONF-CALL-1, CONF-CALL-2, CONF-OBS-1, CONF-OBS-2, …), never crash, hang or pass.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvconform.adapters.contract import BlockRef, Capabilities, ResourceUsage, StepObservation, StoreJob
+from kvconform.adapters.reference import ReferenceAdapter
+
+
+def faulty(operation: str, fault: Callable[[Any], Any], after: int = 2) -> type[ReferenceAdapter]:
+    """Return a reference adapter whose `operation` answers correctly `after` times, then returns `fault(answer)`."""
+
+    def misbehaving(self: ReferenceAdapter, *args: Any) -> Any:
+        answer = getattr(ReferenceAdapter, operation)(self, *args)
+        self.answered[operation] = self.answered.get(operation, 0) + 1
+        return answer if self.answered[operation] <= after else fault(answer)
+
+    def __init__(self: ReferenceAdapter) -> None:
+        ReferenceAdapter.__init__(self)
+        self.answered: dict[str, int] = {}
+
+    return type(f"Faulty_{operation}", (ReferenceAdapter,), {"__init__": __init__, operation: misbehaving})
+
+
+def raising(answer: Any) -> Any:
+    raise RuntimeError("adapter bug")
+
+
+def exiting(answer: Any) -> Any:
+    sys.exit(3)
+
+
+def hanging(answer: Any) -> Any:
+    time.sleep(3600)
+
+
+def negative_tokens(observation: StepObservation) -> StepObservation:
+    return StepObservation.model_construct(**{**dict(observation), "scheduled_tokens": {"r0": -1}})
+
+
+def unknown_request(observation: StepObservation) -> StepObservation:
+    return observation.model_copy(update={"scheduled_tokens": {**observation.scheduled_tokens, "ghost": 4}})
+
+
+def store_of_missing_block(observation: StepObservation) -> StepObservation:
+    ghost = StoreJob(request_id=next(iter(observation.computed_tokens), "r0"), offload_indices=(99,))
+    return observation.model_copy(update={"stores": (*observation.stores, ghost)})
+
+
+def negative_usage(usage: ResourceUsage) -> ResourceUsage:
+    return ResourceUsage.model_construct(**{**dict(usage), "used_gpu_blocks": -1})
+
+
+def evicted_unknown(observation: StepObservation) -> StepObservation:
+    return observation.model_copy(update={"evicted": (BlockRef(request_id="ghost", index=0),)})
+
+
+FAULTS: dict[str, tuple[Callable[[], Any], str, str]] = {
+    "step-raises": (faulty("step", raising), "CONF-CALL-1", "adapter.step()"),
+    "step-exits": (faulty("step", exiting), "CONF-CALL-1", "adapter.step()"),
+    "start-raises": (faulty("start", raising, after=0), "CONF-CALL-1", "adapter.start("),
+    "close-raises": (faulty("close", raising, after=0), "CONF-CALL-1", "adapter.close()"),
+    "step-returns-dict": (faulty("step", lambda o: o.model_dump()), "CONF-OBS-1", "adapter.step()"),
+    "step-returns-none": (faulty("step", lambda o: None), "CONF-OBS-1", "adapter.step()"),
+    "step-negative-tokens": (faulty("step", negative_tokens), "CONF-OBS-1", "scheduled_tokens"),
+    "step-unknown-request": (faulty("step", unknown_request), "SCHED-STEP-2", "adapter.step(): scheduled tokens"),
+    "step-stores-missing-block": (faulty("step", store_of_missing_block), "OFF-STORE-2", "adapter.step(): StoreJob"),
+    "step-evicts-unknown-request": (faulty("step", evicted_unknown), "CONF-OBS-2", "adapter.step(): BlockRef(request_id='ghost'"),
+    "store-contents-list": (faulty("store_contents", lambda s: list(s.ready)), "CONF-OBS-1", "adapter.store_contents()"),
+    "resource-usage-negative": (faulty("resource_usage", negative_usage, after=0), "CONF-OBS-1", "used_gpu_blocks"),
+    "computed-kv-float32": (faulty("computed_kv", lambda kv: kv.float(), after=0), "CONF-OBS-1", "torch.float32"),
+    "computed-kv-narrow": (faulty("computed_kv", lambda kv: kv[:, :-1], after=0), "CONF-OBS-1", "width"),
+    "computed-kv-list": (faulty("computed_kv", lambda kv: kv.tolist(), after=0), "CONF-OBS-1", "returned list"),
+    "reset-returns-int": (faulty("reset_prefix_cache", int, after=0), "CONF-OBS-1", "adapter.reset_prefix_cache("),
+    "capabilities-inconsistent": (
+        faulty("capabilities", lambda c: Capabilities.model_construct(**{**dict(c), "eviction_policies": ()}), after=0),
+        "CONF-OBS-1", "at least one eviction policy"),
+    "step-hangs": (faulty("step", hanging), "CONF-CALL-2", "adapter.step()"),
+    "store-contents-hangs": (faulty("store_contents", hanging), "CONF-CALL-2", "adapter.store_contents()"),
+}
+"""Fault class → (adapter factory, the clause the kit must report, text the failure message must contain)."""
+
+
+def factory_raising() -> ReferenceAdapter:
+    raise RuntimeError("cannot connect to the store")
+
+
+class SlowAdapter(ReferenceAdapter):
+    """Correct but slow: long enough runs for the Ctrl-C test to interrupt one."""
+
+    def step(self) -> StepObservation:
+        time.sleep(0.02)
+        return super().step()
+
+
+inconsistent_manifest = FAULTS["capabilities-inconsistent"][0]
+hangs_in_step = FAULTS["step-hangs"][0]
