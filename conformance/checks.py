@@ -109,6 +109,7 @@ def check_skip_read(ctx: Context, ref: StepObservation, sut: StepObservation) ->
     for answer in sut.match_answers:
         if answer.request_id in skipping:
             ctx.exercise("OFF-READ-1")
+            ctx.exercise("OFF-READ-2")
             if answer.external_tokens not in (0, None) or answer.load_async:
                 raise ClauseViolation("OFF-READ-2", f"skip-read request answered {answer!r}; expected 0 tokens, sync")
     for load in sut.loads:
@@ -124,6 +125,7 @@ def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObserv
         if answer.external_tokens == 0 and answer.load_async:
             raise ClauseViolation("CONN-MATCH-2", f"{answer!r}: a 0-token answer must have load_async=False")
         total = ctx.oracle.requests[answer.request_id].num_tokens
+        ctx.exercise("CONN-MATCH-3")
         if answer.external_tokens is not None and answer.local_hit_tokens + answer.external_tokens > total:
             raise ClauseViolation("CONN-MATCH-3", f"{answer!r} exceeds the request's {total} tokens")
 
@@ -211,6 +213,7 @@ def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> N
     for request_id in sorted(set(ref.lookups) | set(sut.lookups)):
         expected, actual = ref.lookups.get(request_id, ()), sut.lookups.get(request_id, ())
         ctx.exercise("OFF-LOOKUP-1")
+        ctx.exercise("OFF-LOOKUP-2")
         if expected and actual[: len(expected)] == expected and len(actual) > len(expected):
             raise ClauseViolation("OFF-LOOKUP-2", f"request {request_id!r}: lookups went on past the first miss at "
                                                   f"block {expected[-1]}: looked up {actual}")
@@ -302,6 +305,7 @@ def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> Non
 def check_drained(ctx: Context, usage, steps: int) -> None:
     """Once transfers complete and no request is left, nothing stays allocated, pinned or in flight."""
     ctx.exercise("LIFE-LEAK-1")
+    ctx.exercise("LIFE-LIVE-1")
     if usage.unfinished_requests:
         raise ClauseViolation("LIFE-LIVE-1", f"{usage.unfinished_requests} request(s) still unfinished after "
                                              f"{steps} drain steps with every transfer completed")

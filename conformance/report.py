@@ -7,21 +7,27 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel
+from xml.etree import ElementTree
+
+from pydantic import BaseModel, Field
 
 import kvconform
 from kvconform.adapters.contract import Capabilities
+from kvconform.conformance.checks import CHECKS
 from kvconform.conformance.runner import Outcome, RunResult
 from kvconform.spec import registry
 
-Verdict = Literal["pass", "fail", "not exercised"]
+Verdict = Literal["pass", "fail", "not exercised", "known failure"]
 
 
 class ClauseResult(BaseModel):
     id: str
     level: str
+    chapter: str
     verdict: Verdict
-    exercised: int
+    exercised: int = Field(description="times a check compared an observation under this clause")
+    checked_at_run_time: bool = Field(description="a registered check tests it; else only the reference's unit tests")
+    known_failure: str | None = Field(None, description="the first failure seen, for a known failure")
 
 
 class RunReport(BaseModel):
@@ -41,23 +47,65 @@ class RunReport(BaseModel):
     message: str | None
     counterexample: str | None
     adapter_traceback: str | None
+    known_failures: dict[str, str] = Field(description="clause -> reason, from the known-failures file")
     clauses: list[ClauseResult]
 
 
-def build(result: RunResult, implementation_version: str, capabilities: Capabilities) -> RunReport:
+def build(result: RunResult, implementation_version: str, capabilities: Capabilities,
+          known_failures: dict[str, str] | None = None) -> RunReport:
     """Return the report of a run: a verdict for every clause of the spec."""
+    runtime_checked = {clause for each in CHECKS.values() for clause in each.clauses}
     clauses = []
     for clause in registry.clauses().values():
         count = result.coverage.get(clause.id, 0)
-        verdict: Verdict = "fail" if clause.id == result.failed_clause else "pass" if count else "not exercised"
-        clauses.append(ClauseResult(id=clause.id, level=clause.level, verdict=verdict, exercised=count))
+        verdict: Verdict = ("fail" if clause.id == result.failed_clause else
+                            "known failure" if clause.id in result.known_failures else
+                            "pass" if count else "not exercised")
+        clauses.append(ClauseResult(id=clause.id, level=clause.level, chapter=clause.chapter, verdict=verdict,
+                                    exercised=count, checked_at_run_time=clause.id in runtime_checked,
+                                    known_failure=result.known_failures.get(clause.id)))
     return RunReport(
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
         seed=result.seed, passed=result.passed, outcome=result.outcome, seconds=round(result.seconds, 3),
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
-        adapter_traceback=result.adapter_traceback, clauses=clauses,
+        adapter_traceback=result.adapter_traceback, known_failures=known_failures or {}, clauses=clauses,
     )
+
+
+def certification_gaps(run_report: RunReport) -> list[str]:
+    """Return why the run does not certify the adapter; empty when it does (CONF-CERT-1)."""
+    gaps = [] if run_report.passed else [f"the run failed: {run_report.failed_clause}"]
+    gaps += [f"{clause}: known failure ({reason})" for clause, reason in sorted(run_report.known_failures.items())]
+    gaps += [f"{c.id} ({c.level}) was not exercised" for c in run_report.clauses
+             if c.level.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"]
+    return gaps
+
+
+def junit_xml(run_report: RunReport) -> str:
+    """Return the report as JUnit XML: one test case per clause, as GitHub, GitLab and Jenkins render it."""
+    verdicts = [c.verdict for c in run_report.clauses]
+    suite = ElementTree.Element("testsuite", name=f"kvconform {run_report.adapter}", tests=str(len(verdicts)),
+                                failures=str(verdicts.count("fail")), errors="0",
+                                skipped=str(len(verdicts) - verdicts.count("pass") - verdicts.count("fail")),
+                                time=f"{run_report.seconds:.3f}")
+    properties = ElementTree.SubElement(suite, "properties")
+    for name in ("kvconform_version", "spec_version", "adapter", "implementation_version", "profile", "seed", "outcome"):
+        ElementTree.SubElement(properties, "property", name=name, value=str(getattr(run_report, name)))
+    for clause in run_report.clauses:
+        case = ElementTree.SubElement(suite, "testcase", classname=f"kvconform.{clause.chapter.removesuffix('.md')}",
+                                      name=f"{clause.id} ({clause.level})")
+        if clause.verdict == "fail":
+            failure = ElementTree.SubElement(case, "failure", message=run_report.message or "", type=clause.id)
+            failure.text = run_report.counterexample or ""
+        elif clause.verdict == "known failure":
+            ElementTree.SubElement(case, "skipped", message=f"known failure: {run_report.known_failures[clause.id]}")
+        elif clause.verdict == "not exercised":
+            ElementTree.SubElement(case, "skipped", message="not exercised by this run")
+    root = ElementTree.Element("testsuites")
+    root.append(suite)
+    ElementTree.indent(root)
+    return ElementTree.tostring(root, encoding="unicode", xml_declaration=True)
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -13,6 +13,7 @@ from hypothesis.errors import HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.machine import machine_for
@@ -37,6 +38,7 @@ class RunResult:
     message: str | None = None
     counterexample: str | None = None
     adapter_traceback: str | None = None
+    known_failures: dict[str, str] = field(default_factory=dict)
 
     @property
     def outcome(self) -> Outcome:
@@ -55,10 +57,12 @@ def run(
     seed: int | None = None,
     on_example: Callable[[], None] | None = None,
     call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
+    baseline: Baseline | None = None,
 ) -> RunResult:
     """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample."""
     coverage: dict[str, int] = {}
-    machine = machine_for(adapter_factory, coverage, on_example, call_timeout)
+    baseline = Baseline() if baseline is None else baseline
+    machine = machine_for(adapter_factory, coverage, on_example, call_timeout, baseline)
     if seed is not None:
         machine._hypothesis_internal_use_seed = seed
     output = io.StringIO()
@@ -82,6 +86,11 @@ def run(
         result.passed = False
         result.failed_clause = "CONF-RUN-1"
         result.message = f"{type(error).__name__}: {error}"
+    result.known_failures = dict(baseline.seen)
+    if result.passed and baseline.stale():
+        result.passed = False
+        result.failed_clause = "CONF-RUN-2"
+        result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
     return result
 

@@ -31,17 +31,29 @@ def main() -> None:
               help="Write the JSON report here")
 @click.option("--call-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_CALL_TIMEOUT,
               show_default=True, help="Seconds one adapter call may take before its outcome is reported unknown")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a JUnit XML report here, one test case per clause")
+@click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="File of 'CLAUSE-ID: reason' lines: reported, not fatal; stale entries fail")
+@click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None,
-                call_timeout: float) -> None:
+                call_timeout: float, junit_path: Path | None, known_failures_path: Path | None, certify: bool) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
-    from kvconform.conformance import report, runner
+    from kvconform.conformance import baseline, report, runner
     from kvconform.conformance.profiles import PROFILES
 
     console = Console(stderr=True)
     if profile not in PROFILES:
         _usage_error(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    if report_path is not None:
-        _check_writable(report_path)
+    for path in (report_path, junit_path):
+        if path is not None:
+            _check_writable(path)
+    known = baseline.Baseline()
+    if known_failures_path is not None:
+        try:
+            known = baseline.load(known_failures_path)
+        except baseline.BaselineError as error:
+            _usage_error(str(error))
     factory, capabilities, version = _probe(adapter_spec, call_timeout)
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {version}, profile {profile}, seed {seed}")
     examples = PROFILES[profile]["max_examples"]
@@ -50,18 +62,23 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                       console=console, transient=True) as progress:
             task = progress.add_task("examples", total=examples)
             result = runner.run(factory, adapter_spec, profile, seed,
-                                on_example=lambda: progress.advance(task), call_timeout=call_timeout)
+                                on_example=lambda: progress.advance(task), call_timeout=call_timeout,
+                                baseline=known)
     except KeyboardInterrupt:
         click.echo("kvconform: interrupted; no report written", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    run_report = report.build(result, version, capabilities)
+    run_report = report.build(result, version, capabilities, known.entries)
     _print_table(Console(), run_report)
-    if report_path is not None:
-        try:
-            report.write_atomically(report_path, run_report.model_dump_json(indent=2))
-        except OSError as error:
-            _usage_error(f"cannot write the report to {report_path}: {error.strerror or error}")
-    sys.exit(EXIT_CONFORMANT if result.passed else EXIT_NONCONFORMANT)
+    for path, text in ((report_path, run_report.model_dump_json(indent=2)), (junit_path, report.junit_xml(run_report))):
+        if path is not None:
+            try:
+                report.write_atomically(path, text)
+            except OSError as error:
+                _usage_error(f"cannot write the report to {path}: {error.strerror or error}")
+    gaps = report.certification_gaps(run_report) if certify else []
+    for gap in gaps:
+        click.echo(f"kvconform: not certified: {gap}", err=True)
+    sys.exit(EXIT_CONFORMANT if result.passed and not gaps else EXIT_NONCONFORMANT)
 
 
 def _check_writable(path: Path) -> None:
@@ -99,7 +116,7 @@ def _print_table(console: Console, run_report) -> None:
     table = Table(title=f"kvconform spec {run_report.spec_version}: {run_report.adapter}")
     for column in ("clause", "level", "verdict", "exercised"):
         table.add_column(column)
-    style = {"pass": "green", "fail": "bold red", "not exercised": "yellow"}
+    style = {"pass": "green", "fail": "bold red", "not exercised": "yellow", "known failure": "magenta"}
     for clause in run_report.clauses:
         table.add_row(clause.id, clause.level, f"[{style[clause.verdict]}]{clause.verdict}[/]", str(clause.exercised))
     console.print(table)

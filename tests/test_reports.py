@@ -1,0 +1,72 @@
+"""Reports: JSON and JUnit, known failures (CONF-RUN-2) and certification (CONF-CERT-1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+from click.testing import CliRunner
+
+from kvconform.cli import main
+from kvconform.conformance import baseline, runner
+from kvconform.conformance.mutants import MUTANTS
+from kvconform.spec import registry
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["run", *args])
+    return result.exit_code, result.stderr
+
+
+def test_known_failure_is_reported_not_fatal() -> None:
+    """CONF-RUN-2: the seed mutant's clause listed as known: reported as a known failure, the run passes."""
+    known = baseline.Baseline({"OFF-READ-1": "the seed bug, vLLM PR #44592"})
+    result = runner.run(MUTANTS["skip-flag-ignored"].adapter, "skip-flag-ignored", "ci", baseline=known)
+    assert "OFF-READ-1" in result.known_failures, result.message
+    assert result.failed_clause != "OFF-READ-1"
+
+
+def test_stale_known_failure_fails_the_run() -> None:
+    """CONF-RUN-2: a listed clause that never fails makes the run fail as stale."""
+    result = runner.run(MUTANTS["skip-flag-ignored"].adapter.__mro__[1], "reference", "ci",
+                        baseline=baseline.Baseline({"OFF-READ-1": "no longer true"}))
+    assert (result.passed, result.failed_clause) == (False, "CONF-RUN-2") and "OFF-READ-1" in result.message
+
+
+@pytest.mark.parametrize("text, message", [
+    ("OFF-READ-1\n", "expected 'CLAUSE-ID: reason'"),
+    ("NOPE-1: reason\n", "NOPE-1 is not a clause"),
+    ("OFF-READ-1:   \n", "expected 'CLAUSE-ID: reason'"),
+])
+def test_bad_known_failures_file_is_exit_2(tmp_path: Path, text: str, message: str) -> None:
+    """A malformed known-failures file is one line and exit 2."""
+    path = tmp_path / "known.txt"
+    path.write_text(f"# comment\n\n{text}")
+    code, stderr = run("--known-failures", str(path))
+    assert code == 2 and message in stderr, stderr
+    code, stderr = run("--known-failures", str(tmp_path / "missing.txt"))
+    assert code == 2 and "cannot read" in stderr
+
+
+def test_reports_and_certify(tmp_path: Path) -> None:
+    """JSON and JUnit reports of a reference run; one JUnit case per clause; the reference certifies."""
+    report, junit = tmp_path / "r.json", tmp_path / "r.xml"
+    code, stderr = run("--report", str(report), "--junit", str(junit), "--certify")
+    assert code == 0, stderr
+    written = json.loads(report.read_text())
+    assert written["spec_version"] == registry.spec_version() and written["outcome"] == "ok"
+    suite = ElementTree.parse(junit).getroot().find("testsuite")
+    cases = suite.findall("testcase")
+    assert len(cases) == len(registry.clauses()) == int(suite.get("tests"))
+    assert int(suite.get("failures")) == 0
+    assert {c.get("name").split()[0] for c in cases} == set(registry.clauses())
+
+
+def test_certify_names_every_gap(tmp_path: Path) -> None:
+    """CONF-CERT-1: a known failure blocks certification even though the run passes."""
+    known = tmp_path / "known.txt"
+    known.write_text("OFF-READ-1: the seed bug\n")
+    code, stderr = run("--adapter", "kvconform_test_mutant:make", "--known-failures", str(known), "--certify")
+    assert code == 1 and "not certified: OFF-READ-1: known failure" in stderr, stderr
