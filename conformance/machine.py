@@ -7,7 +7,8 @@ After every rule the observations of both are compared by the registered checks 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import hypothesis.strategies as st
 from hypothesis import note
@@ -27,8 +28,31 @@ MAX_LIVE_REQUESTS = 5
 DRAIN_STEP_LIMIT = 64
 
 
+Scheduling = Literal["sync", "async", "both"]
+"""Which scheduling modes a run draws: sync only, async only, or both."""
+
+
+@dataclass
+class Session:
+    """What the examples of one run share: the options they run under, and the coverage and step count they add up."""
+
+    adapter_factory: Callable[[], KVConnectorAdapter] = ReferenceAdapter
+    call_timeout: float | None = DEFAULT_CALL_TIMEOUT
+    scheduling: Scheduling = "both"
+    baseline: Baseline = field(default_factory=Baseline)
+    on_example: Callable[[], None] | None = None
+    coverage: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+
+
+def scheduling_modes(capabilities: Capabilities, scheduling: Scheduling) -> list[bool]:
+    """Return the `async_scheduling` values a run may draw: those asked for that the adapter supports (CONF-CAP-1)."""
+    wanted = {"sync": [False], "async": [True], "both": [False, True]}[scheduling]
+    return [mode for mode in wanted if capabilities.async_scheduling or not mode]
+
+
 @st.composite
-def engine_configs(draw: st.DrawFn, capabilities: Capabilities) -> EngineConfig:
+def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Scheduling = "both") -> EngineConfig:
     """Draw an engine configuration within what the adapter claims (CONF-CAP-1)."""
     return EngineConfig(
         block_size=4,
@@ -36,7 +60,7 @@ def engine_configs(draw: st.DrawFn, capabilities: Capabilities) -> EngineConfig:
         block_size_factor=draw(st.sampled_from(sorted(capabilities.block_size_factors)), label="factor"),
         num_offload_blocks=draw(st.integers(1, 6), label="num_offload_blocks"),
         eviction_policy=draw(st.sampled_from(sorted(capabilities.eviction_policies)), label="policy"),
-        async_scheduling=draw(st.booleans(), label="async") if capabilities.async_scheduling else False,
+        async_scheduling=draw(st.sampled_from(scheduling_modes(capabilities, scheduling)), label="async"),
         max_num_batched_tokens=draw(st.sampled_from((16, 256)), label="token_budget"),
     )
 
@@ -56,15 +80,11 @@ def prompts(draw: st.DrawFn, earlier: tuple[tuple[int, ...], ...] = ()) -> tuple
 class ConnectorStateMachine(RuleBasedStateMachine):
     """Compares an adapter under test with the reference; subclass via `machine_for`."""
 
-    adapter_factory: Callable[[], KVConnectorAdapter] = ReferenceAdapter
-    coverage: dict[str, int] = {}
-    on_example: Callable[[], None] | None = None
-    call_timeout: float | None = DEFAULT_CALL_TIMEOUT
-    baseline: Baseline = Baseline()
+    session = Session()
 
     def __init__(self) -> None:
         super().__init__()
-        self.caller = AdapterCaller(self.call_timeout)
+        self.caller = AdapterCaller(self.session.call_timeout)
         self.oracle: ReferenceAdapter | None = None
         self.ctx: Context | None = None
         self.capabilities = Capabilities()
@@ -89,10 +109,11 @@ class ConnectorStateMachine(RuleBasedStateMachine):
                 with judging(call):
                     each.function(self.ctx, *args)
             except ClauseViolation as violation:
-                if not self.baseline.tolerates(violation):
+                if not self.session.baseline.tolerates(violation):
                     raise
 
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
+        self.session.steps += 1
         self.judge("adapter.step()", "step", expected, actual)
         store = self.oracle.store_contents()
         self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
@@ -106,16 +127,16 @@ class ConnectorStateMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        if self.on_example is not None:
-            self.on_example()
-        self.caller.build(self.adapter_factory)
+        if self.session.on_example is not None:
+            self.session.on_example()
+        self.caller.build(self.session.adapter_factory)
         self.capabilities = self.call("capabilities")
-        config = data.draw(engine_configs(self.capabilities), label="config")
+        config = data.draw(engine_configs(self.capabilities, self.session.scheduling), label="config")
         note(f"state.start({config!r})")
         self.oracle = ReferenceAdapter()
         self.oracle.start(config)
         self.call("start", config)
-        self.ctx = Context(config, {}, self.oracle.engine, exercised=type(self).coverage)
+        self.ctx = Context(config, {}, self.oracle.engine, exercised=self.session.coverage)
 
     @precondition(lambda self: len(self.unfinished()) < MAX_LIVE_REQUESTS)
     @rule(data=st.data())
@@ -197,20 +218,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         self.judge("adapter.resource_usage()", "drain", self.call("resource_usage"), steps)
 
 
-def machine_for(
-    adapter_factory: Callable[[], KVConnectorAdapter],
-    coverage: dict[str, int] | None = None,
-    on_example: Callable[[], None] | None = None,
-    call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
-    baseline: Baseline | None = None,
-) -> type[ConnectorStateMachine]:
-    """Return a state-machine class that tests the adapters `adapter_factory` builds."""
-    name = getattr(adapter_factory, "__name__", "Adapter")
-    namespace = {
-        "adapter_factory": staticmethod(adapter_factory),
-        "coverage": {} if coverage is None else coverage,
-        "on_example": None if on_example is None else staticmethod(on_example),
-        "call_timeout": call_timeout,
-        "baseline": Baseline() if baseline is None else baseline,
-    }
-    return type(f"ConnectorStateMachine_{name}", (ConnectorStateMachine,), namespace)
+def machine_for(session: Session) -> type[ConnectorStateMachine]:
+    """Return a state-machine class that runs the examples of `session`."""
+    name = getattr(session.adapter_factory, "__name__", "Adapter")
+    return type(f"ConnectorStateMachine_{name}", (ConnectorStateMachine,), {"session": session})

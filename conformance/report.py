@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 import kvconform
 from kvconform.adapters.contract import Capabilities
 from kvconform.conformance.checks import CHECKS
+from kvconform.conformance.machine import Scheduling
 from kvconform.conformance.runner import Outcome, RunResult
 from kvconform.spec import registry
 
@@ -40,9 +41,11 @@ class RunReport(BaseModel):
     capabilities: Capabilities
     profile: str
     seed: int | None
+    scheduling: Scheduling
     passed: bool
     outcome: Outcome
     seconds: float
+    steps: int = Field(description="engine steps compared between the adapter and the reference")
     failed_clause: str | None
     message: str | None
     counterexample: str | None
@@ -67,7 +70,8 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
     return RunReport(
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
-        seed=result.seed, passed=result.passed, outcome=result.outcome, seconds=round(result.seconds, 3),
+        seed=result.seed, scheduling=result.scheduling, passed=result.passed, outcome=result.outcome,
+        seconds=round(result.seconds, 3), steps=result.steps,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         adapter_traceback=result.adapter_traceback, known_failures=known_failures or {}, clauses=clauses,
     )
@@ -90,7 +94,8 @@ def junit_xml(run_report: RunReport) -> str:
                                 skipped=str(len(verdicts) - verdicts.count("pass") - verdicts.count("fail")),
                                 time=f"{run_report.seconds:.3f}")
     properties = ElementTree.SubElement(suite, "properties")
-    for name in ("kvconform_version", "spec_version", "adapter", "implementation_version", "profile", "seed", "outcome"):
+    for name in ("kvconform_version", "spec_version", "adapter", "implementation_version", "profile", "seed",
+                 "scheduling", "outcome"):
         ElementTree.SubElement(properties, "property", name=name, value=str(getattr(run_report, name)))
     for clause in run_report.clauses:
         case = ElementTree.SubElement(suite, "testcase", classname=f"kvconform.{clause.chapter.removesuffix('.md')}",

@@ -16,7 +16,7 @@ from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.machine import machine_for
+from kvconform.conformance.machine import Scheduling, Session, machine_for
 from kvconform.conformance.profiles import profile_settings
 
 
@@ -33,6 +33,8 @@ class RunResult:
     seed: int | None
     passed: bool
     seconds: float
+    scheduling: Scheduling = "both"
+    steps: int = 0
     coverage: dict[str, int] = field(default_factory=dict)
     failed_clause: str | None = None
     message: str | None = None
@@ -58,16 +60,18 @@ def run(
     on_example: Callable[[], None] | None = None,
     call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     baseline: Baseline | None = None,
+    scheduling: Scheduling = "both",
 ) -> RunResult:
     """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample."""
-    coverage: dict[str, int] = {}
     baseline = Baseline() if baseline is None else baseline
-    machine = machine_for(adapter_factory, coverage, on_example, call_timeout, baseline)
+    session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example)
+    machine = machine_for(session)
     if seed is not None:
         machine._hypothesis_internal_use_seed = seed
     output = io.StringIO()
     started = time.perf_counter()
-    result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, coverage=coverage)
+    result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
+                       coverage=session.coverage)
     try:
         with reporting.with_reporter(lambda text: output.write(f"{text}\n")):
             run_state_machine_as_test(machine, settings=profile_settings(profile, seed is not None))
@@ -92,6 +96,7 @@ def run(
         result.failed_clause = "CONF-RUN-2"
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
+    result.steps = session.steps
     return result
 
 

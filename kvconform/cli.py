@@ -36,8 +36,10 @@ def main() -> None:
 @click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="File of 'CLAUSE-ID: reason' lines: reported, not fatal; stale entries fail")
 @click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
-def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None,
-                call_timeout: float, junit_path: Path | None, known_failures_path: Path | None, certify: bool) -> None:
+@click.option("--scheduling", type=click.Choice(["sync", "async", "both"]), default="both", show_default=True,
+              help="Scheduling modes to draw engine configurations from")
+def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
+                junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     from kvconform.conformance import baseline, report, runner
     from kvconform.conformance.profiles import PROFILES
@@ -55,7 +57,10 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
         except baseline.BaselineError as error:
             _usage_error(str(error))
     factory, capabilities, version = _probe(adapter_spec, call_timeout)
-    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {version}, profile {profile}, seed {seed}")
+    if scheduling == "async" and not capabilities.async_scheduling:
+        _usage_error(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
+    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {version}, profile {profile}, seed {seed}, "
+                  f"scheduling {scheduling}")
     examples = PROFILES[profile]["max_examples"]
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -63,7 +68,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
             task = progress.add_task("examples", total=examples)
             result = runner.run(factory, adapter_spec, profile, seed,
                                 on_example=lambda: progress.advance(task), call_timeout=call_timeout,
-                                baseline=known)
+                                baseline=known, scheduling=scheduling)
     except KeyboardInterrupt:
         click.echo("kvconform: interrupted; no report written", err=True)
         sys.exit(EXIT_INTERRUPTED)
@@ -121,7 +126,7 @@ def _print_table(console: Console, run_report) -> None:
         table.add_row(clause.id, clause.level, f"[{style[clause.verdict]}]{clause.verdict}[/]", str(clause.exercised))
     console.print(table)
     if run_report.outcome == "ok":
-        console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s")
+        console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.steps} steps compared")
         return
     if run_report.outcome == "info":
         console.print(f"[bold red]UNKNOWN outcome[/]: {run_report.failed_clause}: {run_report.message}")

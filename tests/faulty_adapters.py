@@ -102,5 +102,12 @@ class SlowAdapter(ReferenceAdapter):
         return super().step()
 
 
+class SyncOnlyAdapter(ReferenceAdapter):
+    """Declares no async scheduling: asking for an async-only run of it is a usage error."""
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(async_scheduling=False)
+
+
 inconsistent_manifest = FAULTS["capabilities-inconsistent"][0]
 hangs_in_step = FAULTS["step-hangs"][0]

@@ -87,6 +87,7 @@ def cli(*args: str) -> tuple[int, str]:
     (["--adapter", "faulty_adapters:factory_raising"], "RuntimeError: cannot connect to the store"),
     (["--adapter", "faulty_adapters:inconsistent_manifest"], "at least one eviction policy"),
     (["--profile", "nightly-ish"], "unknown profile 'nightly-ish'"),
+    (["--adapter", "faulty_adapters:SyncOnlyAdapter", "--scheduling", "async"], "does not support async scheduling"),
     (["--call-timeout", "-1"], "-1"),
     (["--report", "/dev/null/report.json"], "cannot write the report"),
 ])

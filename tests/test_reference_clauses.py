@@ -713,6 +713,8 @@ def test_configs_within_capabilities(data):
     caps = Capabilities(async_scheduling=False, eviction_policies=("arc",), block_size_factors=(2,))
     config = data.draw(engine_configs(caps))
     assert (config.async_scheduling, config.eviction_policy, config.block_size_factor) == (False, "arc", 2)
+    scheduling = data.draw(st.sampled_from(["sync", "async"]))
+    assert data.draw(engine_configs(Capabilities(), scheduling)).async_scheduling is (scheduling == "async")
 
 
 def test_harness_error_is_run_failure(monkeypatch):
