@@ -139,6 +139,21 @@ class Capabilities(_Frozen):
         return self
 
 
+class ImplementationFailure(Exception):
+    """Raised by an adapter when the implementation itself failed an operation in a way that breaks `clause`.
+
+    The harness reports it under `clause` instead of CONF-CALL-1. With `recovered`, the implementation is
+    still usable — as vLLM's engine core stays up after a failed utility call — and the operation's outcome
+    is `result`; a run that lists `clause` as a known failure then goes on (CONF-RUN-2).
+    """
+
+    def __init__(self, clause: str, message: str, *, recovered: bool = False, result: object = None) -> None:
+        super().__init__(message)
+        self.clause = clause
+        self.recovered = recovered
+        self.result = result
+
+
 class KVConnectorAdapter(abc.ABC):
     """One implementation under test. The harness builds a fresh adapter per test case."""
 

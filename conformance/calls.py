@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from kvconform.adapters.contract import (
     Capabilities,
     EngineConfig,
+    ImplementationFailure,
     KVConnectorAdapter,
     ResourceUsage,
     StepObservation,
@@ -86,6 +87,9 @@ class AdapterCaller:
         except AdapterHung:
             self.hung = True
             raise
+        except ImplementationFailure as failure:
+            raise ClauseViolation(failure.clause, f"{call}: the implementation failed: {failure}",
+                                  adapter_traceback="".join(traceback.format_exception(failure))) from failure
         except (Exception, SystemExit) as error:  # an adapter calling sys.exit must not end the run
             raise ClauseViolation("CONF-CALL-1", f"{call} raised {type(error).__name__}: {error}",
                                   adapter_traceback="".join(traceback.format_exception(error))) from error

@@ -11,10 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import hypothesis.strategies as st
-from hypothesis import note
+from hypothesis import note, reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvconform.adapters.contract import Capabilities, EngineConfig, KVConnectorAdapter, RequestSpec, StepObservation
+from kvconform.adapters.contract import (
+    Capabilities,
+    EngineConfig,
+    ImplementationFailure,
+    KVConnectorAdapter,
+    RequestSpec,
+    StepObservation,
+)
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, judging
@@ -93,8 +100,20 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     # --- helpers ---------------------------------------------------------------------------
 
     def call(self, operation: str, *args: Any) -> Any:
-        """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`)."""
-        return self.caller(operation, *args)
+        """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`).
+
+        An implementation failure of a known-failure clause yields the outcome the adapter reports when the
+        implementation recovered, and otherwise ends the example, as the implementation cannot go on (CONF-RUN-2).
+        """
+        try:
+            return self.caller(operation, *args)
+        except ClauseViolation as violation:
+            failure = violation.__cause__
+            if not isinstance(failure, ImplementationFailure) or not self.session.baseline.tolerates(violation):
+                raise
+            if not failure.recovered:
+                reject()
+            return failure.result
 
     def unfinished(self) -> list[str]:
         return sorted(r for r, req in self.oracle.engine.requests.items() if not req.is_finished)
@@ -103,7 +122,9 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         return sorted(r for r, req in self.oracle.engine.requests.items() if req.status is RequestStatus.RUNNING)
 
     def judge(self, call: str, kind: str, *args: Any) -> None:
-        """Run the checks of `kind` on the answer of `call`; known failures are recorded, not raised (CONF-RUN-2)."""
+        """Run the checks of `kind` on the answer of `call`; a known failure is recorded, not raised, and ends its
+        example: the implementation and the reference have diverged, so what follows would only be consequences
+        (CONF-RUN-2)."""
         for each in checks_of(kind):
             try:
                 with judging(call):
@@ -111,6 +132,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
             except ClauseViolation as violation:
                 if not self.session.baseline.tolerates(violation):
                     raise
+                reject()
 
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
         self.session.steps += 1

@@ -12,7 +12,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvconform.adapters.contract import BlockRef, Capabilities, ResourceUsage, StepObservation, StoreJob
+from kvconform.adapters.contract import (
+    BlockRef,
+    Capabilities,
+    ImplementationFailure,
+    ResourceUsage,
+    StepObservation,
+    StoreJob,
+)
 from kvconform.adapters.reference import ReferenceAdapter
 
 
@@ -111,3 +118,23 @@ class SyncOnlyAdapter(ReferenceAdapter):
 
 inconsistent_manifest = FAULTS["capabilities-inconsistent"][0]
 hangs_in_step = FAULTS["step-hangs"][0]
+
+
+def failing_reset(recovered: bool) -> type[ReferenceAdapter]:
+    """Return a reference adapter whose connector resets report that the implementation failed OFF-MGR-8; the
+    class counts the steps its instances are asked for after such a failure."""
+
+    def reset_prefix_cache(self: ReferenceAdapter, reset_connector: bool) -> bool:
+        result = ReferenceAdapter.reset_prefix_cache(self, reset_connector)
+        if reset_connector:
+            self.failed = True
+            raise ImplementationFailure("OFF-MGR-8", "the connector reset failed", recovered=recovered, result=result)
+        return result
+
+    def step(self: ReferenceAdapter) -> StepObservation:
+        if getattr(self, "failed", False):
+            type(self).steps_after_failure += 1
+        return ReferenceAdapter.step(self)
+
+    return type(f"FailingReset_{recovered}", (ReferenceAdapter,),
+                {"reset_prefix_cache": reset_prefix_cache, "step": step, "steps_after_failure": 0})
