@@ -172,6 +172,7 @@ class OffloadConnectorScheduler:
         slot_of = dict(zip(indices, self.manager.prepare_load(keys)))
         rows = [slot_of[p // self.factor] * self.factor + p % self.factor for p in range(first_gpu, num_gpu)]
         job = self._new_job(state, False, indices, keys, list(block_ids[first_gpu:num_gpu]), rows)
+        state.next_stored_index = cdiv(num_cached, self.offloaded_block_size)  # OFF-STORE-1: the hit is stored
         self.pending_loads.append(job)
         self.keys_being_loaded.update(keys)
         self.recorder.loads.append((request.request_id, indices, first_gpu, num_gpu - first_gpu))

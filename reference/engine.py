@@ -71,6 +71,11 @@ class Engine:
         self.loads_done: dict[str, bool] = {}
         self.delayed_free: set[str] = set()
         self.preempted_since_schedule: set[str] = set()
+        self.inflight_prefills: set[str] = set()
+        self.scheduled_steps = 0
+        self.processed_steps = 0
+        self.last_scheduled: dict[str, int] = {}
+        self.deferred_frees: list[tuple[int, list[int]]] = []
         self.in_flight: Batch | None = None
         self._step_finished: list[str] = []
         self._step_freed: list[str] = []
@@ -110,10 +115,10 @@ class Engine:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id)
+        self._release(request.request_id)
+        self.inflight_prefills.discard(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.tokens_to_discard = request.num_output_placeholders
         request.num_output_placeholders = 0
         self.waiting.insert(0, request)
         self.preempted_since_schedule.add(request.request_id)
@@ -121,6 +126,7 @@ class Engine:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Finish a request: ask the connector, then free or delay (CONN-FIN-1, LIFE-FREE-1)."""
         request.status = status
+        self.inflight_prefills.discard(request.request_id)
         self._step_finished.append(request.request_id)
         if self.connector.request_finished(request):
             self.delayed_free.add(request.request_id)
@@ -128,8 +134,16 @@ class Engine:
             self._free(request.request_id)
 
     def _free(self, request_id: str) -> None:
-        self.kv.free(request_id)
+        self._release(request_id)
         self._step_freed.append(request_id)
+
+    def _release(self, request_id: str) -> None:
+        """Return a request's GPU blocks to the pool; while a step that scheduled it is still in flight, only once
+        that step's output is processed, as the forward may still write them (LIFE-FREE-3)."""
+        if self.last_scheduled.get(request_id, 0) <= self.processed_steps:
+            self.kv.free(request_id)
+        else:
+            self.deferred_frees.append((self.scheduled_steps, self.kv.pop_blocks(request_id)))
 
     def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         """Reset the local prefix cache, and the offload store if asked (PFX-RESET-1, OFF-MGR-8)."""
@@ -144,28 +158,43 @@ class Engine:
     # --- the step -----------------------------------------------------------------------
 
     def step(self) -> StepResult:
-        """Run one engine step (SCHED-STEP-1)."""
-        output = self._schedule()
-        meta = self.connector.build_connector_meta(output)
-        start_positions = self._advance(output)
-        self.worker.start_load_kv(meta)
-        reads_in_flight = self.worker.store_sources_in_flight()
-        sampled, writes = self._forward(output, start_positions)
-        self.worker.wait_for_save(meta)
-        batch = Batch(output, sampled, self.worker.get_finished())
-        if not self.config.async_scheduling:
-            self._process(batch)
-        else:
-            previous, self.in_flight = self.in_flight, batch
-            if previous is not None:
-                self._process(previous)
-            if not output.num_scheduled_tokens:
-                self.in_flight = None
-                self._process(batch)
-        result = StepResult(dict(output.num_scheduled_tokens), self._computed_tokens(), self.recorder.take(),
+        """Run one engine step (SCHED-STEP-1); an engine without work only processes the batch in flight."""
+        scheduled: dict[str, int] = {}
+        writes: set[int] = set()
+        reads_in_flight: set[int] = set()
+        if self.has_work():
+            output = self._schedule()
+            if self.config.async_scheduling and output.num_scheduled_tokens:
+                self.scheduled_steps += 1
+                self.last_scheduled.update(dict.fromkeys(output.num_scheduled_tokens, self.scheduled_steps))
+            meta = self.connector.build_connector_meta(output)
+            start_positions = self._advance(output)
+            self.worker.start_load_kv(meta)
+            reads_in_flight = self.worker.store_sources_in_flight()
+            sampled, writes = self._forward(output, start_positions)
+            self.worker.wait_for_save(meta)
+            scheduled = dict(output.num_scheduled_tokens)
+            self._run(Batch(output, sampled, self.worker.get_finished()))
+        elif self.in_flight is not None:
+            previous, self.in_flight = self.in_flight, None
+            self._process(previous)
+        result = StepResult(scheduled, self._computed_tokens(), self.recorder.take(),
                             self._step_finished, self._step_freed, writes, reads_in_flight)
         self._step_finished, self._step_freed = [], []
         return result
+
+    def has_work(self) -> bool:
+        """Return True while a request is unfinished or unfreed, or a transfer job is pending (SCHED-STEP-1)."""
+        return any(not r.is_finished for r in self.requests.values()) or bool(self.delayed_free or self.connector.jobs)
+
+    def _run(self, batch: Batch) -> None:
+        """Process a batch now (sync), or keep it in flight and process the previous one (SCHED-ASYNC-1)."""
+        if not self.config.async_scheduling:
+            self._process(batch)
+            return
+        previous, self.in_flight = self.in_flight, batch
+        if previous is not None:
+            self._process(previous)
 
     def _computed_tokens(self) -> dict[str, int]:
         return {rid: r.num_computed_tokens for rid, r in self.requests.items() if not r.is_finished}
@@ -230,12 +259,18 @@ class Engine:
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external, delay_caching=load_async)
+            if self.kv.blocks_to_allocate(request, request.num_tokens, local_blocks) > self.kv.pool.num_free_blocks:
+                break  # SCHED-ADMIT-1: the full sequence must fit, not only the first chunk
+            reserved = self._prefill_reservation() if load_async else 0
+            new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external, delay_caching=load_async,
+                                                reserved=reserved)
             if new_blocks is None:
                 break
             allocated.update(new_blocks)
             self.connector.update_state_after_alloc(request, self.kv.blocks_of(request.request_id), num_external)
             request.num_computed_tokens = num_computed
+            if load_async or num_computed + num_new < request.num_tokens:
+                self.inflight_prefills.add(request.request_id)
             if load_async:
                 request.num_local_hit_tokens = num_local
                 request.status = RequestStatus.WAITING_FOR_LOAD
@@ -246,6 +281,11 @@ class Engine:
             scheduled[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _prefill_reservation(self) -> int:
+        """Return the blocks that in-flight prefills still need to hold their full sequence (SCHED-ADMIT-1)."""
+        return sum(max(-(-self.requests[r].num_tokens // self.config.block_size) - len(self.kv.blocks_of(r)), 0)
+                   for r in self.inflight_prefills)
 
     def _finish_load(self, request: Request, success: bool) -> None:
         """Make a finished load's tokens computed, or fall back to the local hit (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""
@@ -268,6 +308,8 @@ class Engine:
             request = self.requests[request_id]
             starts[request_id] = request.num_computed_tokens
             request.num_computed_tokens += num_new
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                self.inflight_prefills.discard(request_id)
             if self.config.async_scheduling and request.num_computed_tokens >= request.num_tokens:
                 request.num_output_placeholders += 1
         return starts
@@ -275,7 +317,7 @@ class Engine:
     def runner_tokens(self, request: Request) -> tuple[int, ...]:
         """Return the tokens as the model runner knows them: the scheduler's plus the one still in flight."""
         tokens = request.tokens
-        if self.in_flight is not None and request.tokens_to_discard == 0:
+        if self.in_flight is not None:
             pending = self.in_flight.sampled.get(request.request_id)
             if pending is not None:
                 tokens += (pending,)
@@ -300,17 +342,18 @@ class Engine:
 
     def _process(self, batch: Batch) -> None:
         """Apply a batch's sampled tokens and connector output (SCHED-STEP-1, CONN-STEP-4)."""
+        if self.config.async_scheduling and batch.output.num_scheduled_tokens:
+            self.processed_steps += 1
+            while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_steps:
+                self.kv.pool.free(reversed(self.deferred_frees.pop(0)[1]))  # LIFE-FREE-3
         for request_id, token in batch.sampled.items():
             request = self.requests[request_id]
             if request.is_finished:
                 continue
-            if request.tokens_to_discard:
-                request.tokens_to_discard -= 1
-                continue
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
-            request.append_output(token)
+            request.append_output(token)  # also for a request preempted meanwhile (LIFE-PREEMPT-1)
             if len(request.output) >= request.max_tokens:
-                self.running.remove(request)
+                (self.running if request in self.running else self.waiting).remove(request)
                 self._finish(request, RequestStatus.FINISHED)
         update = self.connector.update_connector_output(batch.connector_output)
         for request_id in sorted(update.released & self.delayed_free):

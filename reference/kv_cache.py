@@ -49,15 +49,21 @@ class BlockPool:
             self.ref_counts[block_id] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference per block; a block at zero joins the queue's tail (PFX-EVICT-1)."""
+        """Drop one reference per block; a cached block at zero joins the queue's tail, an uncached one its
+        front, in the given order (PFX-EVICT-1)."""
         blocks = self.valid_ids(blocks)
         for block_id in blocks:
             if self.ref_counts[block_id] < blocks.count(block_id):
                 raise InvalidCall("PFX-REF-1", f"block {block_id} freed more often than it is referenced")
+        uncached = []
         for block_id in blocks:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_queue[block_id] = None
+                if self.block_hash[block_id] is None:
+                    uncached.append(block_id)
+        for block_id in reversed(uncached):
+            self.free_queue.move_to_end(block_id, last=False)
 
     def valid_ids(self, blocks: Iterable[int]) -> list[int]:
         """Return `blocks` as a list if every id names a real block, never the null block (PFX-NULL-1)."""
@@ -125,18 +131,18 @@ class KVCacheManager:
         computed_blocks: list[int],
         num_external_tokens: int,
         delay_caching: bool,
+        reserved: int = 0,
     ) -> list[int] | None:
-        """Give a request blocks for its new tokens; None when the pool is short (SCHED-ALLOC-1)."""
+        """Give a request blocks for its new tokens; None when the pool, less `reserved` blocks, is short (SCHED-ALLOC-1)."""
         if num_new_tokens < 0 or num_external_tokens < 0:
             raise InvalidCall("SCHED-ALLOC-1", f"negative token counts {num_new_tokens}, {num_external_tokens}")
         computed_blocks = self.pool.valid_ids(computed_blocks)
-        owned = self.req_blocks.setdefault(request.request_id, [])
         num_local = len(computed_blocks) * self.block_size
         total_tokens = request.num_computed_tokens + num_local + num_external_tokens + num_new_tokens
-        needed = -(-total_tokens // self.block_size) - len(owned) - len(computed_blocks)
-        reusable = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
-        if needed > self.pool.num_free_blocks - reusable:
+        if self.blocks_to_allocate(request, total_tokens, computed_blocks) > self.pool.num_free_blocks - reserved:
             return None
+        owned = self.req_blocks.setdefault(request.request_id, [])
+        needed = -(-total_tokens // self.block_size) - len(owned) - len(computed_blocks)
         self.pool.touch(computed_blocks)
         new_blocks = self.pool.allocate(max(needed, 0))
         owned.extend(computed_blocks)
@@ -144,6 +150,13 @@ class KVCacheManager:
         if not delay_caching:
             self.cache_blocks(request, min(total_tokens, request.num_tokens))
         return new_blocks
+
+    def blocks_to_allocate(self, request: Request, num_tokens: int, computed_blocks: list[int]) -> int:
+        """Return the free blocks a request takes to hold `num_tokens` tokens: the new blocks it lacks plus the
+        free blocks among its hit, which leave the free queue (SCHED-ALLOC-1)."""
+        owned = len(self.req_blocks.get(request.request_id, []))
+        missing = max(-(-num_tokens // self.block_size) - owned - len(computed_blocks), 0)
+        return missing + sum(1 for block_id in computed_blocks if self.pool.ref_counts[block_id] == 0)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks within its first `num_tokens` tokens (PFX-HIT-2)."""
@@ -153,6 +166,10 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> list[int]:
         """Release a request's blocks, tail first so they are evicted first (PFX-EVICT-1)."""
-        owned = self.req_blocks.pop(request_id, [])
+        owned = self.pop_blocks(request_id)
         self.pool.free(reversed(owned))
         return owned
+
+    def pop_blocks(self, request_id: str) -> list[int]:
+        """Take a request's blocks from it without releasing them; the caller frees them later, tail first."""
+        return self.req_blocks.pop(request_id, [])

@@ -30,7 +30,6 @@ class Request:
     output: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
-    tokens_to_discard: int = 0
     num_local_hit_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[hashing.BlockHash] = field(default_factory=list)

@@ -31,7 +31,7 @@ from kvconform.reference.hashing import NONE_HASH, block_hashes, extra_keys, has
 from kvconform.reference.kv_cache import BlockPool, KVCacheManager
 from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
 from kvconform.reference.recorder import StepRecorder
-from kvconform.reference.request import Request
+from kvconform.reference.request import Request, RequestStatus
 from kvconform.reference.transfer import TransferEngine
 
 CPU = torch.device("cpu")
@@ -161,6 +161,14 @@ def test_free_order_tail_first():
     assert kv.free("a") == [1, 2, 3]
     assert list(kv.pool.free_queue) == [4, 5, 6, 7, 3, 2, 1]
     assert kv.pool.allocate(5)[-1] == 3 and len(kv.pool.cached) == 2
+
+
+def test_uncached_blocks_freed_to_the_front():
+    """PFX-EVICT-1: a freed block without a cached hash joins the free queue's front, to be reused first."""
+    kv = KVCacheManager(8, 4)
+    kv.allocate_slots(req("b", PROMPT[:6]), 6, [], 0, delay_caching=False)
+    assert kv.free("b") == [1, 2]
+    assert list(kv.pool.free_queue) == [2, 3, 4, 5, 6, 7, 1]
 
 
 def test_reset_refused_while_blocks_used():
@@ -386,6 +394,19 @@ def test_alloc_creates_one_load_job(conn):
     assert c.recorder.loads == [("r", [0, 1], 1, 5)] and c.manager.num_pinned() == 2
 
 
+def test_loaded_hit_is_not_offered_again(conn):
+    """OFF-STORE-1: the blocks a request's hit covered when it was admitted with a load are not offered again."""
+    c = conn()
+    r = req()
+    c.on_new_request(r)
+    stored(c.manager, *c.offload_keys(r))
+    assert c.get_num_new_matched_tokens(r, 4) == (8, True)
+    c.update_state_after_alloc(r, [1, 2, 3], 8)
+    r.num_computed_tokens = 11
+    c.build_connector_meta(sched_output(r, 1, [1, 2, 3]))
+    assert c.recorder.store_offers == []
+
+
 def test_load_job_is_exactly_the_reported_tokens(conn):
     """CONN-LOAD-1: no load job is created for a 0-token answer; a job covers exactly the reported tokens."""
     c = conn()
@@ -582,6 +603,33 @@ def test_allocate_slots_none_when_short():
     assert kv.pool.num_free_blocks == 2 and kv.blocks_of("r") == []
 
 
+def test_admission_needs_the_full_sequence(engine):
+    """SCHED-ADMIT-1: a waiting request is admitted only if its whole sequence fits, not just its first chunk."""
+    prompt = PROMPT * 2
+    short = engine(num_gpu_blocks=6, max_num_batched_tokens=8)
+    short.add_request(RequestSpec(request_id="a", prompt=prompt))
+    assert short.step().scheduled_tokens == {}
+    enough = engine(num_gpu_blocks=7, max_num_batched_tokens=8)
+    enough.add_request(RequestSpec(request_id="a", prompt=prompt))
+    assert enough.step().scheduled_tokens == {"a": 8}
+
+
+def test_async_load_leaves_room_for_inflight_prefills(engine):
+    """SCHED-ADMIT-1: a load is admitted only if the blocks in-flight prefills still need stay free."""
+    other = tuple((i * 5 + 1) % 4 for i in range(12))
+    e = engine(num_gpu_blocks=8)
+    e.add_request(RequestSpec(request_id="p", prompt=PROMPT))
+    e.add_request(RequestSpec(request_id="q", prompt=other))
+    e.step()
+    e.complete_transfers(False, False)
+    e.step()
+    assert e.reset_prefix_cache()
+    e.add_request(RequestSpec(request_id="l", prompt=PROMPT + (1,) * 8))
+    e.add_request(RequestSpec(request_id="m", prompt=other))
+    loads = e.step().trace.loads
+    assert loads == [("l", [0, 1, 2], 0, 3)], "m's 3 blocks would leave fewer than the 2 that l still needs"
+
+
 def test_preempt_newest_when_pool_short(engine):
     """SCHED-PREEMPT-1: a running request short of blocks preempts the newest running request."""
     e = engine(num_gpu_blocks=5)
@@ -599,6 +647,22 @@ def test_async_output_lags_one_step(engine):
     e.add_request(RequestSpec(request_id="r", prompt=PROMPT))
     assert e.step().finished == [] and e.requests["r"].num_output_placeholders == 1
     assert e.step().finished == ["r"]
+
+
+def test_async_empty_batch_processed_next_step(engine):
+    """SCHED-ASYNC-1, SCHED-STEP-1: a batch that scheduled nothing is processed a step later, like any other;
+    an engine without work only processes the batch in flight."""
+    e = engine(async_scheduling=True)
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT))
+    e.step()
+    e.step()
+    e.complete_transfers(False, False)
+    key = e.connector.offload_keys(e.requests["r"])[0]
+    assert e.step().scheduled_tokens == {} and e.manager.lookup(key) is None, "finished, reported, not processed"
+    e.step()
+    assert e.manager.lookup(key) is True and e.in_flight is not None and not e.has_work()
+    e.step()
+    assert e.in_flight is None
 
 
 # --- lifecycle ----------------------------------------------------------------------------------
@@ -629,6 +693,28 @@ def test_preemption_resets_computed_tokens(engine):
     e.step()
     e.preempt("r")
     assert e.requests["r"].num_computed_tokens == 0 and e.kv.blocks_of("r") == [] and e.waiting[0].request_id == "r"
+    assert e.kv.pool.num_free_blocks == 15
+
+
+def test_preempted_request_keeps_its_inflight_token(engine):
+    """LIFE-PREEMPT-1: a token sampled for a request in a step still in flight is appended after its preemption."""
+    e = engine(async_scheduling=True)
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT, max_tokens=3))
+    e.step()
+    e.preempt("r")
+    e.step()
+    request = e.requests["r"]
+    assert len(request.output) == 1 and request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+
+
+def test_blocks_freed_once_the_step_in_flight_is_processed(engine):
+    """LIFE-FREE-3: with async scheduling an aborted request's blocks return only once its step is processed."""
+    e = engine(async_scheduling=True)
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT, max_tokens=3))
+    e.step()
+    e.abort("r")
+    assert e.kv.pool.num_free_blocks == 12 and e.reset_prefix_cache() is False
+    e.step()
     assert e.kv.pool.num_free_blocks == 15
 
 
