@@ -154,5 +154,18 @@ def adapters_command() -> None:
         click.echo(f"{name}\t{target}")
 
 
+@main.command("install-vllm")
+@click.argument("version")
+def install_vllm_command(version: str) -> None:
+    """Install vLLM VERSION's scheduler side into this environment (CPU only, over torch 2.13.0)."""
+    from kvconform.adapters.vllm import install
+
+    try:
+        install.install(version, say=lambda line: click.echo(line, err=True))
+    except install.InstallError as error:
+        _usage_error(str(error))
+    click.echo(f"kvconform: vLLM {version} installed; run: kvconform run --adapter vllm-offloading", err=True)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,342 @@
+"""The part every vLLM adapter shares: a real vLLM scheduler stepped like vLLM's engine core and model runner.
+
+Real vLLM code: the `Scheduler` (or `AsyncScheduler`), its `KVCacheManager` and block pool, the request
+block hasher, the scheduler side of the KV connector and the worker-side connector object. Not vLLM code:
+the model forward. It writes each scheduled token's KV bytes with kvconform's KV content function into
+real CPU tensors that are registered with the worker-side connector, and samples
+`kv_content.next_token`, so outputs are deterministic and equal the reference's (XFER-DATA-1/2). Each
+`step()` is one `EngineCore.step()` (sync) or `EngineCore.step_with_batch_queue()` (async, queue of 2),
+with the worker-side connector called in the order of vLLM's model runner.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvconform.adapters.contract import (
+    EngineConfig,
+    ImplementationFailure,
+    KVConnectorAdapter,
+    MatchAnswer,
+    RequestSpec,
+    ResourceUsage,
+    StepObservation,
+)
+from kvconform.adapters.vllm import runtime
+from kvconform.adapters.vllm.transfers import HeldTransfers
+from kvconform.reference import kv_content
+from kvconform.reference.transfer import TransferEngine
+
+KV_LAYER = "model.layers.0.self_attn.attn"
+"""The one attention layer of the KV layout the adapters register with vLLM."""
+
+
+@dataclass
+class StepTrace:
+    """What vLLM's objects reported during one adapter step, as recorded by the wrappers."""
+
+    scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    match_answers: list[MatchAnswer] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
+    forward_writes: set[int] = field(default_factory=set)
+    store_reads_in_flight: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Batch:
+    """One scheduled step and the model runner's output for it, waiting for `update_from_output`."""
+
+    scheduler_output: Any
+    runner_output: Any
+    sampled: dict[str, int]
+
+
+def wrap(obj: Any, name: str, after: Callable[..., None]) -> None:
+    """Replace `obj.name` by a call to the original followed by `after(result, *args, **kwargs)`."""
+    original = getattr(obj, name)
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        after(result, *args, **kwargs)
+        return result
+
+    setattr(obj, name, recorded)
+
+
+class VllmAdapter(KVConnectorAdapter):
+    """Drives one real vLLM scheduler with a KV connector; subclasses add the connector-specific observations."""
+
+    connector_name: str = ""
+
+    def __init__(self) -> None:
+        self.rt = runtime.load()
+        self.config: EngineConfig | None = None
+        self.scheduler: Any = None
+        self.worker: Any = None
+
+    # --- what a connector adapter provides -----------------------------------------------------
+
+    @abc.abstractmethod
+    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
+        """Return the connector's `kv_connector_extra_config` for `config`."""
+
+    @abc.abstractmethod
+    def attach(self) -> None:
+        """Wrap the connector's objects once the scheduler and the worker-side connector exist."""
+
+    @abc.abstractmethod
+    def observe_metadata(self, meta: Any) -> None:
+        """Record the load and store jobs of a step's connector metadata and issue them to `self.transfers`."""
+
+    @abc.abstractmethod
+    def observe_connector(self, observation: dict[str, Any]) -> None:
+        """Add this step's connector fields (lookups, loads, offers, stores, evictions) to `observation`."""
+
+    # --- the contract --------------------------------------------------------------------------
+
+    def implementation_version(self) -> str:
+        return f"vllm {self.rt.version}"
+
+    def base_capabilities(self) -> dict[str, Any]:
+        """Return the capabilities every vLLM adapter shares; no external preempt exists in vLLM."""
+        return dict(preemption=False, abort=True, kv_cache_groups=1, reads_kv=True,
+                    reset_connector="reset_connector" in inspect.signature(self.rt.sched.Scheduler.reset_prefix_cache).parameters)
+
+    def start(self, config: EngineConfig) -> None:
+        if config.token_width % 2:
+            raise ValueError(f"token_width {config.token_width} must be even: the layout has one K and one V half")
+        self.config = config
+        self.trace = StepTrace()
+        self.specs: dict[str, RequestSpec] = {}
+        self.queue: list[Batch] = []
+        self.lora_ids: dict[str, int] = {}
+        self.requests: dict[str, Any] = {}
+        self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
+                                       config.block_size_factor, config.token_width, config.kv_dtype,
+                                       torch.device("cpu"))
+        self.transfers = HeldTransfers(self.transfer)
+        self.vllm_config = self.rt.vllm_config(config, self.connector_name, self.extra_config(config))
+        self.kv_cache_config = self._kv_cache_config(config)
+        kv_utils = self.rt.kv_utils
+        block_size, hash_block_size = kv_utils.resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
+        hash_fn = self.rt.hashing.get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        kv_utils.init_none_hash(hash_fn)
+        self.block_hasher = kv_utils.get_request_block_hasher(hash_block_size, hash_fn)
+        scheduler_class = self.rt.async_sched.AsyncScheduler if config.async_scheduling else self.rt.sched.Scheduler
+        self.scheduler = scheduler_class(
+            vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+            structured_output_manager=self.rt.structured.StructuredOutputManager(self.vllm_config),
+            block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
+        )
+        self.worker = self.rt.factory.KVConnectorFactory.create_connector(
+            config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
+            kv_cache_config=self.kv_cache_config)
+        self.worker.register_kv_caches({KV_LAYER: self.transfer.gpu})
+        wrap(self.scheduler.connector, "get_num_new_matched_tokens", self._record_match)
+        wrap(self.scheduler.kv_cache_manager, "free", self._record_free)
+        if hasattr(self.scheduler.kv_cache_manager, "pop_blocks_for_free"):  # 0.24+: frees deferred in async mode
+            wrap(self.scheduler.kv_cache_manager, "pop_blocks_for_free", self._record_free)
+        wrap(self.scheduler.kv_cache_manager, "reset_prefix_cache",
+             lambda result: setattr(self, "gpu_cache_reset", result))
+        self.attach()
+
+    def _kv_cache_config(self, config: EngineConfig) -> Any:
+        """Return a KVCacheConfig of one full-attention layer whose pages are the transfer engine's GPU blocks."""
+        iface = self.rt.kv_iface
+        spec = iface.FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=config.token_width // 2,
+                                       dtype=self.transfer.gpu.dtype)
+        page = spec.page_size_bytes
+        assert page == self.transfer.gpu[0].numel() * self.transfer.gpu.element_size(), "KV page size mismatch"
+        size = page * config.num_gpu_blocks
+        tensor = runtime.dataclass_kwargs(iface.KVCacheTensor, size=size, shared_by=[KV_LAYER], layers=[KV_LAYER],
+                                          layer_stride=size, block_stride=page)
+        if "shared_by" in vars(tensor):
+            tensor.block_stride = 0  # up to 0.24 a non-zero block_stride means a packed multi-layer layout
+        return iface.KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=[tensor],
+                                   kv_cache_groups=[iface.KVCacheGroupSpec([KV_LAYER], spec)])
+
+    def add_request(self, request: RequestSpec) -> None:
+        self.specs[request.request_id] = request
+        sampling = self.rt.sampling.SamplingParams(
+            max_tokens=request.max_tokens, ignore_eos=True,
+            skip_reading_prefix_cache=True if request.skip_reading_prefix_cache else None)
+        lora = None
+        if request.lora_name is not None:
+            lora_id = self.lora_ids.setdefault(request.lora_name, len(self.lora_ids) + 1)
+            lora = self.rt.lora.LoRARequest(lora_name=request.lora_name, lora_int_id=lora_id, lora_path="/nonexistent")
+        self.requests[request.request_id] = self.rt.request.Request(
+            request_id=request.request_id, prompt_token_ids=list(request.prompt), sampling_params=sampling,
+            pooling_params=None, lora_request=lora, cache_salt=request.cache_salt, block_hasher=self.block_hasher)
+        self.scheduler.add_request(self.requests[request.request_id])
+
+    def abort(self, request_id: str) -> None:
+        aborted = self.scheduler.finish_requests(request_id, self.rt.request.RequestStatus.FINISHED_ABORTED)
+        self.trace.finished += [getattr(item, "request_id", None) or item[0] for item in aborted]
+
+    def preempt(self, request_id: str) -> None:
+        raise NotImplementedError("vLLM has no external preemption of one request (capabilities: preemption=False)")
+
+    def reset_prefix_cache(self, reset_connector: bool) -> bool:
+        """`Scheduler.reset_prefix_cache`; an error is what vLLM's engine core returns for a failed utility call:
+        the engine stays up, and only the GPU prefix cache reset before the error took effect."""
+        try:
+            if reset_connector:
+                return self.scheduler.reset_prefix_cache(reset_connector=True)
+            return self.scheduler.reset_prefix_cache()
+        except Exception as error:
+            clause = "OFF-MGR-8" if reset_connector else "PFX-RESET-1"
+            raise ImplementationFailure(clause, f"Scheduler.reset_prefix_cache(reset_connector={reset_connector}) "
+                                                f"raised {type(error).__name__}: {error}",
+                                        recovered=True, result=self.gpu_cache_reset) from error
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def step(self) -> StepObservation:
+        """One engine-core step: EngineCore.step (sync) or step_with_batch_queue with a queue of 2 (async)."""
+        if self.config.async_scheduling:
+            self._step_with_batch_queue()
+        elif self.scheduler.has_requests():
+            batch = self._execute(self.scheduler.schedule())
+            self._process(batch)
+        observation = self._observe()
+        self.trace = StepTrace()
+        return observation
+
+    def _step_with_batch_queue(self) -> None:
+        if self.scheduler.has_requests():
+            self.queue.insert(0, self._execute(self.scheduler.schedule()))
+            if len(self.queue) < 2 and self.scheduler.has_requests():
+                return
+        elif not self.queue:
+            return
+        self._process(self.queue.pop())
+
+    def _execute(self, scheduler_output: Any) -> Batch:
+        """Run the model runner's part of a step: connector calls around the forward (vLLM's mixin order)."""
+        worker = self.worker
+        self.trace.scheduled_tokens = dict(scheduler_output.num_scheduled_tokens)
+        meta = scheduler_output.kv_connector_metadata
+        self.observe_metadata(meta)
+        if hasattr(worker, "handle_preemptions"):
+            worker.handle_preemptions(meta)
+        runner_tokens = self._runner_tokens(scheduler_output)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        sampled: dict[str, int] = {}
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self.trace.store_reads_in_flight |= self.transfers.store_reads()
+            sampled = self._forward(scheduler_output, runner_tokens)
+            worker.wait_for_save()
+        outputs = self.rt.outputs
+        connector_output = outputs.KVConnectorOutput()
+        connector_output.finished_sending, connector_output.finished_recving = worker.get_finished(
+            scheduler_output.finished_req_ids)
+        connector_output.invalid_block_ids = worker.get_block_ids_with_load_errors()
+        if hasattr(worker, "build_connector_worker_meta"):
+            connector_output.kv_connector_worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        runner_output = runtime.dataclass_kwargs(
+            outputs.ModelRunnerOutput, req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
+            kv_connector_output=connector_output)
+        return Batch(scheduler_output, runner_output, sampled)
+
+    def _runner_tokens(self, scheduler_output: Any) -> dict[str, list[int]]:
+        """Return each scheduled request's tokens as the model runner knows them: the scheduler's plus any
+        sampled in a batch whose output is not processed yet (async scheduling)."""
+        pending: dict[str, list[int]] = {}
+        for batch in reversed(self.queue):
+            for request_id, token in batch.sampled.items():
+                pending.setdefault(request_id, []).append(token)
+        tokens = {}
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.scheduler.requests[request_id]
+            tokens[request_id] = list(request.all_token_ids) + pending.get(request_id, [])
+        return tokens
+
+    def _forward(self, scheduler_output: Any, runner_tokens: dict[str, list[int]]) -> dict[str, int]:
+        """Write every scheduled token's KV into its GPU block and sample at each sequence end (XFER-DATA-1/2)."""
+        sampled = {}
+        block_size = self.config.block_size
+        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            tokens = runner_tokens[request_id]
+            end = request.num_computed_tokens
+            start = end - num_new
+            blocks = self.block_ids(request_id)
+            states = self._token_states(request_id, tokens[:end])
+            self.transfer.write_tokens(blocks, start, kv_content.kv_values(
+                states[start:end], self.config.token_width, self.transfer.gpu.dtype))
+            self.trace.forward_writes.update(blocks[start // block_size : -(-end // block_size)])
+            if end == len(tokens):
+                sampled[request_id] = kv_content.next_token(states[end - 1])
+        return sampled
+
+    def _token_states(self, request_id: str, tokens: list[int]) -> list[int]:
+        spec = self.specs[request_id]
+        return kv_content.token_states(kv_content.initial_state(spec.lora_name, spec.cache_salt), tokens)
+
+    def _process(self, batch: Batch) -> None:
+        """`Scheduler.update_from_output`; finished requests are read from the engine-core outputs."""
+        outputs = self.scheduler.update_from_output(batch.scheduler_output, batch.runner_output)
+        for engine_outputs in outputs.values():
+            self.trace.finished += [o.request_id for o in engine_outputs.outputs if o.finish_reason is not None]
+
+    # --- recording -----------------------------------------------------------------------------
+
+    def _record_match(self, result: tuple[int | None, bool], request: Any, num_computed_tokens: int) -> None:
+        tokens, load_async = result
+        self.trace.match_answers.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
+                                                    external_tokens=tokens, load_async=load_async))
+
+    def _record_free(self, result: Any, request: Any) -> None:
+        if request.is_finished():
+            self.trace.freed.append(request.request_id)
+
+    def _observe(self) -> StepObservation:
+        trace = self.trace
+        observation = dict(
+            scheduled_tokens=trace.scheduled_tokens,
+            computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items() if not q.is_finished()},
+            match_answers=tuple(trace.match_answers), finished=tuple(trace.finished), freed=tuple(trace.freed),
+            forward_writes=frozenset(trace.forward_writes), store_reads_in_flight=frozenset(trace.store_reads_in_flight),
+        )
+        self.observe_connector(observation)
+        return StepObservation(**observation)
+
+    # --- state the harness reads ---------------------------------------------------------------
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """Return the physical GPU blocks of a request (its block table in KV-cache group 0)."""
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+
+    def computed_kv(self, request_id: str) -> torch.Tensor:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return self.transfer.read_tokens([], 0)
+        return self.transfer.read_tokens(self.block_ids(request_id), request.num_computed_tokens)
+
+    def used_gpu_blocks(self) -> int:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return self.config.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+
+    def resource_usage(self) -> ResourceUsage:
+        return ResourceUsage(used_gpu_blocks=self.used_gpu_blocks(), pinned_offload_blocks=self.pinned_offload_blocks(),
+                             jobs_in_flight=self.jobs_in_flight(),
+                             unfinished_requests=sum(not r.is_finished() for r in self.scheduler.requests.values()))
+
+    @abc.abstractmethod
+    def pinned_offload_blocks(self) -> int:
+        """Return the offloaded blocks a load still reads."""
+
+    @abc.abstractmethod
+    def jobs_in_flight(self) -> int:
+        """Return the transfer jobs the connector still waits for."""

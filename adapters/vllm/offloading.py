@@ -1,0 +1,230 @@
+"""`vllm-offloading`: vLLM's OffloadingConnector with vLLM's CPU offloading manager (LRU or ARC).
+
+Real vLLM code: everything of `engine.py`, plus the OffloadingConnector (scheduler and worker sides),
+`CPUOffloadingSpec` and `CPUOffloadingManager` with its LRU and ARC policies. Not vLLM code: the forward
+(`engine.py`) and the transfer execution (`transfers.py`, behind `offloading_spec.py`). Observations are
+recorded from the real objects: the manager's `lookup` / `prepare_load` / `prepare_store` calls and
+results, and the load and store jobs of the connector metadata. Offload keys are named
+`BlockRef(request, index)` by matching them against each request's own block hashes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from typing import Any
+
+from kvconform.adapters.contract import (
+    BlockRef,
+    Capabilities,
+    EngineConfig,
+    ImplementationFailure,
+    LoadJob,
+    StoreJob,
+    StoreSnapshot,
+)
+from kvconform.adapters.vllm.engine import VllmAdapter, wrap
+
+_SESSION_IDS = itertools.count()
+
+
+class VllmOffloadingAdapter(VllmAdapter):
+    """Drives vLLM's scheduler with the OffloadingConnector and the real CPU offloading manager."""
+
+    name = "vllm-offloading"
+    connector_name = "OffloadingConnector"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(async_scheduling=True, eviction_policies=("lru", "arc"), block_size_factors=(1, 2, 3),
+                            transfer_failures=self.reports_failures(), **self.base_capabilities())
+
+    def reports_failures(self) -> bool:
+        """Return whether the worker side can report a failed transfer: up to 0.24 it asserts every transfer
+        succeeded ("we currently do not support job failures", offloading/worker.py get_finished); 0.32+ marks
+        failed jobs completed with success=False."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+        return "success" in inspect.signature(OffloadingWorkerMetadata.mark_completed).parameters
+
+    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
+        from kvconform.adapters.vllm import offloading_spec
+
+        self.session_id = f"kvconform-{next(_SESSION_IDS)}"
+        offloading_spec.SESSIONS[self.session_id] = self
+        alignment = offloading_spec.CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+        chunk = config.block_size * config.token_width * self.transfer.gpu.element_size() * config.block_size_factor
+        aligned_chunk = -(-chunk // alignment) * alignment
+        return {
+            "spec_name": "KVConformCPUOffloadingSpec",
+            "spec_module_path": offloading_spec.__name__,
+            "kvconform_session": self.session_id,
+            "cpu_bytes_to_use": aligned_chunk * config.num_offload_blocks,
+            "block_size": config.block_size * config.block_size_factor,
+            "eviction_policy": config.eviction_policy,
+            # OFF-STORE-1 offers every full computed block, decoded ones included; vLLM's default is prompt only.
+            "offload_prompt_only": False,
+        }
+
+    def start(self, config: EngineConfig) -> None:
+        self.manager: Any = None
+        self.pins: dict[bytes, int] = {}
+        self.origin: dict[bytes, BlockRef] = {}
+        self.request_keys: dict[str, list[bytes]] = {}
+        self.step_record = _StepRecord()
+        super().start(config)
+
+    # --- hooks the spec calls ----------------------------------------------------------------------
+
+    def spec_built(self, spec: Any) -> None:
+        num_blocks = getattr(spec, "num_blocks", None) or getattr(spec, "num_chunks")
+        if num_blocks != self.config.num_offload_blocks:
+            raise RuntimeError(f"vLLM sized the CPU store at {num_blocks} blocks, not {self.config.num_offload_blocks}")
+
+    def manager_built(self, manager: Any) -> None:
+        if manager is self.manager:
+            return
+        self.manager = manager
+        self.unrecorded_lookup = manager.lookup
+        wrap(manager, "lookup", self._record_lookup)
+        wrap(manager, "prepare_load", self._record_prepare_load)
+        wrap(manager, "complete_load", self._record_complete_load)
+        wrap(manager, "prepare_store", self._record_prepare_store)
+        wrap(manager, "reset_cache", lambda result: self.pins.clear())
+
+    def attach(self) -> None:
+        """Nothing to wrap beyond the manager, which the spec hands over when vLLM builds it."""
+
+    # --- offload keys ------------------------------------------------------------------------------
+
+    def keys_of(self, request_id: str) -> list[bytes]:
+        """Return the offload keys of a request's full offloaded blocks, from its vLLM block hashes (OFF-KEY-1)."""
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        keys = self.request_keys.setdefault(request_id, [])
+        hashes = self.requests[request_id].block_hashes
+        factor = self.config.block_size_factor
+        for position in range(len(keys) * factor + factor - 1, len(hashes), factor):
+            keys.append(make_offload_key(hashes[position], 0))
+        return keys
+
+    def indices(self, request_id: str, keys: Any) -> tuple[int, ...]:
+        """Return the offloaded block indices of `keys` in request `request_id`."""
+        own = self.keys_of(request_id)
+        return tuple(own.index(key) for key in keys)
+
+    def ref(self, key: bytes) -> BlockRef:
+        """Return a BlockRef naming `key`: the block of the request that first stored it."""
+        return self.origin[key]
+
+    # --- recording ---------------------------------------------------------------------------------
+
+    def _record_lookup(self, result: Any, key: bytes, context: Any) -> None:
+        self.step_record.lookups.setdefault(context.req_id, []).extend(self.indices(context.req_id, [key]))
+
+    def _record_prepare_load(self, result: Any, keys: Any, context: Any) -> None:
+        self.step_record.load_keys[context.req_id] = list(keys)
+        for key in keys:
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+    def _record_complete_load(self, result: Any, keys: Any, context: Any) -> None:
+        for key in keys:
+            self.pins[key] -= 1
+
+    def _record_prepare_store(self, result: Any, keys: Any, context: Any) -> None:
+        request_id = context.req_id
+        keys = list(keys)
+        self.step_record.offers.append(StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys)))
+        if result is None:
+            return
+        for key in result.keys_to_store:
+            self.origin.setdefault(key, BlockRef(request_id=request_id, index=self.indices(request_id, [key])[0]))
+        self.step_record.evicted += [self.ref(key) for key in result.evicted_keys]
+        self.step_record.prepared[id(result.store_spec)] = (request_id, list(result.keys_to_store))
+
+    def observe_metadata(self, meta: Any) -> None:
+        """Record the step's load and store jobs from the connector metadata and hand them to the transfers."""
+        record = self.step_record
+        for job in meta.load_jobs.values():
+            _, gpu = job_specs(job)
+            keys = record.load_keys[job.req_id]
+            record.loads.append(LoadJob(request_id=job.req_id, offload_indices=self.indices(job.req_id, keys),
+                                        first_gpu_block=int(gpu.block_indices[0]), num_gpu_blocks=len(gpu.block_ids)))
+        for job in meta.store_jobs.values():
+            _, cpu = job_specs(job)
+            request_id, keys = record.prepared[id(cpu)]
+            record.stores.append(StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys)))
+        self.transfers.issue([*meta.load_jobs, *meta.store_jobs])
+
+    def observe_connector(self, observation: dict[str, Any]) -> None:
+        record, self.step_record = self.step_record, _StepRecord()
+        observation.update(
+            lookups={r: tuple(i) for r, i in record.lookups.items()}, loads=tuple(record.loads),
+            store_offers=tuple(record.offers), stores=tuple(record.stores), evicted=tuple(record.evicted))
+
+    # --- state -------------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self, reset_connector: bool) -> bool:
+        """Reset, then check OFF-MGR-8's "late completions are ignored": no request may still wait for a job the
+        reset discarded (up to 0.24 such ids stay in its `transfer_jobs`: a request re-admitted later is deferred
+        forever, and one that finishes makes `request_finished` raise KeyError; fixed by vLLM PR #48102)."""
+        connector = self.scheduler.connector.connector_scheduler
+        discarded = set(connector._jobs) if reset_connector else set()
+        result = super().reset_prefix_cache(reset_connector)
+        waiting = {r: sorted(s.transfer_jobs & discarded) for r, s in connector._req_status.items()
+                   if s.transfer_jobs & discarded}
+        if waiting:
+            raise ImplementationFailure("OFF-MGR-8", f"after the connector reset, requests still wait for the jobs it "
+                                                     f"discarded: {waiting} (OffloadingConnectorScheduler.reset_cache "
+                                                     f"keeps each request's transfer_jobs)")
+        return result
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        if (fail_loads or fail_stores) and not self.reports_failures():
+            raise ValueError("this vLLM's OffloadingConnector cannot report failed transfers (capabilities say so)")
+        self.transfers.complete(fail_loads, fail_stores)
+
+    def store_contents(self) -> StoreSnapshot:
+        from vllm.v1.kv_offload.base import ReqContext
+
+        context = ReqContext(req_id="kvconform-store-contents")
+        ready, storing = set(), set()
+        for key, ref in self.origin.items():
+            found = lookup_state(self.unrecorded_lookup(key, context))
+            if found is not None:
+                (ready if found else storing).add(ref)
+        return StoreSnapshot(ready=frozenset(ready), storing=frozenset(storing))
+
+    def pinned_offload_blocks(self) -> int:
+        return sum(1 for count in self.pins.values() if count > 0)
+
+    def jobs_in_flight(self) -> int:
+        return len(self.scheduler.connector.connector_scheduler._jobs)
+
+
+class _StepRecord:
+    """The manager calls and connector jobs of one step."""
+
+    def __init__(self) -> None:
+        self.lookups: dict[str, list[int]] = {}
+        self.load_keys: dict[str, list[bytes]] = {}
+        self.loads: list[LoadJob] = []
+        self.offers: list[StoreJob] = []
+        self.prepared: dict[int, tuple[str, list[bytes]]] = {}
+        self.stores: list[StoreJob] = []
+        self.evicted: list[BlockRef] = []
+
+
+def job_specs(job: Any) -> tuple[Any, Any]:
+    """Return a transfer job's (source, destination) specs: a `transfer_spec` pair up to 0.24, two fields from 0.32."""
+    return job.transfer_spec if hasattr(job, "transfer_spec") else (job.src_spec, job.dst_spec)
+
+
+LOOKUP_STATES = {"HIT": True, "HIT_PENDING": False, "MISS": None}
+"""0.32+ `LookupResult` names; up to 0.24 lookup returns True, None (being stored) or False."""
+
+
+def lookup_state(result: Any) -> bool | None:
+    """Return True (readable), False (being stored) or None (absent) for a manager lookup result."""
+    if hasattr(result, "name"):
+        return LOOKUP_STATES[result.name]
+    return {True: True, None: False, False: None}[result]

