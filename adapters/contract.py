@@ -32,6 +32,12 @@ class EngineConfig(_Frozen):
     max_num_batched_tokens: int = Field(256, ge=1, description="token budget of one step")
     token_width: int = Field(8, ge=1, description="KV elements per token (layers x 2 x heads x head_dim)")
     kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    offer_at_finish: bool = Field(False, description="the step after a request finishes, offer its computed "
+                                                     "blocks not stored yet (OFF-STORE-6)")
+    flush_on_hit: bool = Field(False, description="also flush a store whose blocks become another request's "
+                                                  "local hit (LIFE-FREE-2)")
+    preempt_in_flight: bool = Field(True, description="preempt a request even while the step in flight holds its "
+                                                      "blocks (SCHED-PREEMPT-1)")
 
     def __repr__(self) -> str:
         return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in self.model_dump().items())})"
@@ -82,6 +88,7 @@ class StoreJob(_Frozen):
 
     request_id: str
     offload_indices: tuple[NonNegativeInt, ...]
+    evicted: tuple[BlockRef, ...] = Field((), description="for an offer: the blocks its prepare_store call evicted")
 
 
 class StepObservation(_Frozen):
@@ -117,6 +124,11 @@ class ResourceUsage(_Frozen):
     unfinished_requests: int = Field(ge=0)
 
 
+VARIANTS = ("offer_at_finish", "flush_on_hit", "preempt_in_flight")
+"""EngineConfig fields that name a behaviour releases of one implementation differ in: the capability of the same
+name lists the values an implementation has, and the reference follows the value the config carries."""
+
+
 class Capabilities(_Frozen):
     """What an implementation claims to support; the harness draws only from this (CONF-CAP-1)."""
 
@@ -127,13 +139,20 @@ class Capabilities(_Frozen):
     abort: bool = True
     transfer_failures: bool = True
     reset_connector: bool = True
+    offer_at_finish: tuple[bool, ...] = Field((False,), description="whether the connector offers a finished "
+                                                                      "request's blocks at the next step (OFF-STORE-6)")
+    flush_on_hit: tuple[bool, ...] = Field((False,), description="whether a store is also flushed when its blocks "
+                                                                   "become a local hit (LIFE-FREE-2)")
+    preempt_in_flight: tuple[bool, ...] = Field((True,), description="whether a request is preempted even while the "
+                                                                       "step in flight holds its blocks (SCHED-PREEMPT-1)")
     kv_cache_groups: int = 1
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
 
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
-        if not self.eviction_policies or not self.block_size_factors:
-            raise ValueError("capabilities must list at least one eviction policy and one block_size_factor")
+        if not all((self.eviction_policies, self.block_size_factors, *(getattr(self, v) for v in VARIANTS))):
+            raise ValueError(f"capabilities must list at least one eviction policy, block_size_factor and value of "
+                             f"each of {', '.join(VARIANTS)}")
         if any(factor < 1 for factor in self.block_size_factors):
             raise ValueError("block_size_factors must be >= 1")
         return self

@@ -58,14 +58,20 @@ class ReferenceAdapter(KVConnectorAdapter):
             lookups={r: tuple(indices) for r, indices in trace.lookups.items()},
             loads=tuple(LoadJob(request_id=r, offload_indices=tuple(i), first_gpu_block=first, num_gpu_blocks=n)
                         for r, i, first, n in trace.loads),
-            store_offers=tuple(StoreJob(request_id=r, offload_indices=tuple(i)) for r, i in trace.store_offers),
+            store_offers=tuple(StoreJob(request_id=r, offload_indices=tuple(i), evicted=self.refs(origin, evicted))
+                               for (r, i), evicted in zip(trace.store_offers, trace.offer_evictions)),
             stores=tuple(StoreJob(request_id=r, offload_indices=tuple(i)) for r, i in trace.stores),
-            evicted=tuple(BlockRef(request_id=origin[key][0], index=origin[key][1]) for key in trace.evicted),
+            evicted=self.refs(origin, trace.evicted),
             finished=tuple(result.finished),
             freed=tuple(result.freed),
             forward_writes=frozenset(result.forward_writes),
             store_reads_in_flight=frozenset(result.store_reads_in_flight),
         )
+
+    @staticmethod
+    def refs(origin: dict, keys: list) -> tuple[BlockRef, ...]:
+        """Name offload keys by the request block that first stored each."""
+        return tuple(BlockRef(request_id=origin[key][0], index=origin[key][1]) for key in keys)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

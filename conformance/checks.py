@@ -163,9 +163,23 @@ def check_no_overwrite_in_flight(ctx: Context, ref: StepObservation, sut: StepOb
 
 @check("OFF-MGR-7")
 def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """prepare_store never evicts a block it was asked to store and already held."""
+    """prepare_store never evicts a block it was asked to store and already held.
+
+    With each offer's own evictions reported, each prepare_store call is judged on its own; otherwise the
+    step's offers and evictions are taken together and compared with the reference's.
+    """
+    held = ctx.identities(ctx.previous_store.ready)
+    if any(offer.evicted for offer in sut.store_offers):
+        for offer in sut.store_offers:
+            kept = ctx.identities(BlockRef(request_id=offer.request_id, index=i) for i in offer.offload_indices) & held
+            if kept:
+                ctx.exercise("OFF-MGR-7")
+            lost = kept & ctx.identities(offer.evicted)
+            if lost:
+                raise ClauseViolation("OFF-MGR-7", f"{offer!r} evicted {len(lost)} of the already held blocks it offered")
+        return
     kept = ctx.identities(BlockRef(request_id=o.request_id, index=i) for o in sut.store_offers for i in o.offload_indices)
-    kept &= ctx.identities(ctx.previous_store.ready)
+    kept &= held
     if kept and sut.evicted:
         ctx.exercise("OFF-MGR-7")
     lost = (kept & ctx.identities(sut.evicted)) - ctx.identities(ref.evicted)
@@ -236,14 +250,6 @@ def check_store_offers(ctx: Context, ref: StepObservation, sut: StepObservation)
     _differ("OFF-STORE-1", "blocks offered to the store", _by_request(ref.store_offers), _by_request(sut.store_offers))
 
 
-@check("OFF-STORE-3")
-def check_store_writes(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """The store writes exactly the offered blocks it does not already hold."""
-    if ref.stores:
-        ctx.exercise("OFF-STORE-3")
-    _differ("OFF-STORE-3", "blocks written to the store", _by_request(ref.stores), _by_request(sut.stores))
-
-
 @check("OFF-LRU-1", "OFF-ARC-1")
 def check_evictions(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The store evicts the blocks the configured policy (LRU or ARC) picks."""
@@ -251,6 +257,14 @@ def check_evictions(ctx: Context, ref: StepObservation, sut: StepObservation) ->
     if ref.evicted:
         ctx.exercise(clause)
     _differ(clause, "evicted blocks", ctx.identities(ref.evicted), ctx.identities(sut.evicted))
+
+
+@check("OFF-STORE-3")
+def check_store_writes(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The store writes exactly the offered blocks it does not already hold."""
+    if ref.stores:
+        ctx.exercise("OFF-STORE-3")
+    _differ("OFF-STORE-3", "blocks written to the store", _by_request(ref.stores), _by_request(sut.stores))
 
 
 @check("SCHED-STEP-2")

@@ -15,6 +15,7 @@ from hypothesis import note, reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvconform.adapters.contract import (
+    VARIANTS,
     Capabilities,
     EngineConfig,
     ImplementationFailure,
@@ -69,6 +70,7 @@ def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Sche
         eviction_policy=draw(st.sampled_from(sorted(capabilities.eviction_policies)), label="policy"),
         async_scheduling=draw(st.sampled_from(scheduling_modes(capabilities, scheduling)), label="async"),
         max_num_batched_tokens=draw(st.sampled_from((16, 256)), label="token_budget"),
+        **{variant: draw(st.sampled_from(sorted(getattr(capabilities, variant))), label=variant) for variant in VARIANTS},
     )
 
 
@@ -229,8 +231,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         """Complete every transfer and step until the reference is idle, then check for leaks and liveness."""
         note("state.drain()")
         steps = 0
-        while steps < DRAIN_STEP_LIMIT and (self.unfinished() or self.oracle.engine.in_flight_job_count()
-                                            or self.oracle.engine.in_flight is not None):
+        while steps < DRAIN_STEP_LIMIT and (self.oracle.engine.has_work() or self.oracle.engine.in_flight is not None):
             self.oracle.complete_transfers(False, False)
             self.call("complete_transfers", False, False)
             self.compare_step(self.oracle.step(), self.call("step"))

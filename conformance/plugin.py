@@ -22,7 +22,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvconform", "KV connector conformance")
     group.addoption(OPTION_ADAPTER, dest="kv_adapter", default=None,
                     help=f"Adapter to check: registered name or module:factory (or set {ENV_ADAPTER})")
-    group.addoption(OPTION_PROFILE, dest="kv_profile", default="ci", help="Hypothesis profile: ci, dev or thorough")
+    group.addoption(OPTION_PROFILE, dest="kv_profile", default="ci", help="Hypothesis profile: smoke, ci, dev or thorough")
     group.addoption(OPTION_SEED, dest="kv_seed", type=int, default=None, help="Random seed for the state machine")
 
 

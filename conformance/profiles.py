@@ -1,10 +1,11 @@
-"""Hypothesis settings profiles: `ci` (derandomised, short), `dev`, `thorough` (long runs)."""
+"""Hypothesis settings profiles: `smoke` (derandomised, seconds), `ci` (derandomised, short), `dev`, `thorough`."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
 PROFILES = {
+    "smoke": dict(max_examples=30, stateful_step_count=30, derandomize=True),
     "ci": dict(max_examples=300, stateful_step_count=50, derandomize=True),
     "dev": dict(max_examples=200, stateful_step_count=40),
     "thorough": dict(max_examples=1000, stateful_step_count=80),

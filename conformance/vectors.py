@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from kvconform.adapters.contract import EngineConfig, KVConnectorAdapter, RequestSpec
+from kvconform.adapters.contract import VARIANTS, EngineConfig, KVConnectorAdapter, RequestSpec
 from kvconform.conformance.checks import ClauseViolation
 
 
@@ -38,7 +38,9 @@ def bundled() -> list[str]:
 
 def replay(vector: Vector, adapter: KVConnectorAdapter) -> None:
     """Run the vector's operations on `adapter`; raise `ClauseViolation` at the first unmet expectation."""
-    adapter.start(vector.config)
+    capabilities = adapter.capabilities()
+    unset = [name for name in VARIANTS if name not in vector.config.model_fields_set]  # expectations hold for each
+    adapter.start(vector.config.model_copy(update={name: getattr(capabilities, name)[0] for name in unset}))
     try:
         for number, op in enumerate(vector.ops):
             args = op.get("args", {})

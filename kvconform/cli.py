@@ -25,7 +25,7 @@ def main() -> None:
 @main.command("run")
 @click.option("--adapter", "adapter_spec", default="reference", show_default=True,
               help="Registered adapter name or module:factory")
-@click.option("--profile", default="ci", show_default=True, help="Hypothesis profile: ci, dev or thorough")
+@click.option("--profile", default="ci", show_default=True, help="Hypothesis profile: smoke, ci, dev or thorough")
 @click.option("--seed", type=int, default=None, help="Random seed (turns off the ci profile's derandomisation)")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the JSON report here")

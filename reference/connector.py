@@ -7,12 +7,12 @@ by the block hash of the last of them (OFF-KEY-1).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvconform.reference.offload_manager import OffloadKey, OffloadManager
 from kvconform.reference.recorder import StepRecorder
-from kvconform.reference.request import Request
+from kvconform.reference.request import Request, RequestStatus
 from kvconform.reference.transfer import TransferEngine
 
 
@@ -42,6 +42,8 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]]
     allocated_block_ids: set[int]
     preempted_request_ids: set[str]
+    finished_request_ids: list[str] = field(default_factory=list)
+    hit_block_ids: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -75,13 +77,18 @@ class RequestOffloadState:
     next_stored_index: int = 0
     transfer_jobs: set[int] = field(default_factory=set)
     finished: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    finish_offer_due: bool = False
 
 
 class OffloadConnectorScheduler:
     """Scheduler side of the connector (chapter `connector`)."""
 
-    def __init__(self, manager: OffloadManager, block_size: int, block_size_factor: int, recorder: StepRecorder):
+    def __init__(self, manager: OffloadManager, block_size: int, block_size_factor: int, recorder: StepRecorder,
+                 offer_at_finish: bool = False, flush_on_hit: bool = False):
         self.manager = manager
+        self.offer_at_finish = offer_at_finish
+        self.flush_on_hit = flush_on_hit
         self.block_size = block_size
         self.factor = block_size_factor
         self.offloaded_block_size = block_size * block_size_factor
@@ -184,21 +191,42 @@ class OffloadConnectorScheduler:
             state = self.states.get(request_id)
             if state is not None:
                 flush |= {job_id for job_id in state.transfer_jobs if self.jobs[job_id].is_store}
-        for block_id in output.allocated_block_ids & self.store_jobs_by_gpu_block.keys():
+        reused = output.allocated_block_ids | (output.hit_block_ids if self.flush_on_hit else set())
+        for block_id in reused & self.store_jobs_by_gpu_block.keys():  # LIFE-FREE-2
             flush |= self.store_jobs_by_gpu_block[block_id]
-        meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output), flush)
+        meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output, flush), flush)
         self.pending_loads, self.pending_flushes = [], set()
+        for request_id in output.finished_request_ids:
+            state = self.states.get(request_id)
+            if state is not None:
+                state.finish_offer_due = False
+                if not state.transfer_jobs:
+                    del self.states[request_id]
         return meta
 
-    def _build_store_jobs(self, output: SchedulerOutput) -> list[TransferJob]:
-        """Offer every newly full, computed offloaded block to the store (OFF-STORE-1, OFF-STORE-3, OFF-STORE-4)."""
-        jobs = []
+    def _store_candidates(self, output: SchedulerOutput) -> Iterator[tuple[RequestOffloadState, int, list[int]]]:
+        """Yield each request whose blocks may be offered now, with its offloadable tokens and its GPU blocks: the
+        scheduled ones, and with `offer_at_finish` those finished since the last step (OFF-STORE-1, OFF-STORE-6)."""
         for request_id, num_scheduled in output.num_scheduled_tokens.items():
             state = self.states.get(request_id)
-            if state is None:
-                continue
+            if state is not None:
+                request = state.request
+                yield state, min(request.num_computed_tokens + num_scheduled, request.num_tokens), output.block_ids[request_id]
+        for request_id in output.finished_request_ids:
+            state = self.states.get(request_id)
+            if state is not None and state.finish_offer_due:
+                request = state.request
+                computed = request.num_computed_tokens
+                if request.status is not RequestStatus.ABORTED:  # the last sampled token has no KV yet
+                    computed = min(computed, max(len(request.prompt), request.num_tokens - 1))
+                yield state, min(computed, request.num_tokens), state.block_ids
+
+    def _build_store_jobs(self, output: SchedulerOutput, flush: set[int]) -> list[TransferJob]:
+        """Offer every newly full, computed offloaded block to the store (OFF-STORE-1, OFF-STORE-3, OFF-STORE-4)."""
+        jobs = []
+        for state, num_offloadable, block_ids in self._store_candidates(output):
             request = state.request
-            num_offloadable = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
+            request_id = request.request_id
             end = num_offloadable // self.offloaded_block_size
             if end <= state.next_stored_index:
                 continue
@@ -207,6 +235,7 @@ class OffloadConnectorScheduler:
             offered = [all_keys[index] for index in indices]
             self.recorder.store_offers.append((request_id, indices))
             prepared = self.manager.prepare_store(offered)
+            self.recorder.offer_evictions.append(list(prepared.evicted) if prepared is not None else [])
             if prepared is None:
                 continue
             state.next_stored_index = end
@@ -214,8 +243,13 @@ class OffloadConnectorScheduler:
             if not prepared.keys_to_store:
                 continue
             self.manager.touch(all_keys)
-            jobs.append(self._store_job(state, output.block_ids[request_id], indices, offered, prepared.keys_to_store,
-                                        prepared.slots))
+            job = self._store_job(state, block_ids, indices, offered, prepared.keys_to_store, prepared.slots)
+            if state.finished:  # its blocks are free already: flush the store before they are overwritten
+                for block_id in job.gpu_blocks:
+                    self.store_jobs_by_gpu_block.setdefault(block_id, set()).add(job.job_id)
+                if not output.allocated_block_ids.isdisjoint(job.gpu_blocks):
+                    flush.add(job.job_id)
+            jobs.append(job)
         return jobs
 
     def _store_job(self, state: RequestOffloadState, block_ids: list[int], indices: list[int],
@@ -250,7 +284,8 @@ class OffloadConnectorScheduler:
             state = self.states[job.request_id]
             state.transfer_jobs.discard(job_id)
             if state.finished and not state.transfer_jobs:
-                del self.states[job.request_id]
+                if not state.finish_offer_due:
+                    del self.states[job.request_id]
                 update.released.add(job.request_id)
         return update
 
@@ -261,14 +296,19 @@ class OffloadConnectorScheduler:
             if not readers:
                 del self.store_jobs_by_gpu_block[block_id]
 
-    def request_finished(self, request: Request) -> bool:
+    def request_finished(self, request: Request, block_ids: Sequence[int] = ()) -> bool:
         """Return True to delay freeing the request's GPU blocks (CONN-FIN-1, LIFE-FREE-1, LIFE-FREE-2).
 
-        Pending stores are flushed before their GPU blocks are reused; a pending load delays the free.
+        Pending stores are flushed before their GPU blocks are reused; a pending load delays the free. With
+        `offer_at_finish` the request stays tracked, with its blocks, until the next step offers them (OFF-STORE-6).
         """
         state = self.states.get(request.request_id)
-        if state is None or not state.transfer_jobs:
-            self.states.pop(request.request_id, None)
+        if state is None:
+            return False
+        if self.offer_at_finish:
+            state.block_ids, state.finish_offer_due = list(block_ids), True
+        elif not state.transfer_jobs:
+            del self.states[request.request_id]
             return False
         state.finished = True
         for job_id in state.transfer_jobs:
@@ -284,8 +324,12 @@ class OffloadConnectorScheduler:
         self.manager.reset()
         self.stale_job_threshold = self.job_counter
         self.keys_being_loaded.clear()
-        for state in self.states.values():
+        for request_id, state in list(self.states.items()):
             state.next_stored_index = 0
+            if state.finished:  # nothing is offered for it any more; kept only while its jobs are reported
+                state.finish_offer_due = False
+                if not state.transfer_jobs:
+                    del self.states[request_id]
 
 
 class OffloadConnectorWorker:
@@ -300,13 +344,17 @@ class OffloadConnectorWorker:
         """Before the forward: run the flushed jobs to completion, then submit the loads (LIFE-FREE-2)."""
         for job_id in sorted(meta.jobs_to_flush & self.in_flight.keys()):
             self._finish(self.in_flight.pop(job_id), success=True)
+        for job in meta.store_jobs:
+            if job.job_id in meta.jobs_to_flush:  # a finished request's store, its blocks about to be reused
+                self._finish(job, success=True)
         for job in meta.load_jobs:
             self.in_flight[job.job_id] = job
 
     def wait_for_save(self, meta: ConnectorMetadata) -> None:
         """After the forward: submit this step's stores; their bytes are read when they run (XFER-STORE-1)."""
         for job in meta.store_jobs:
-            self.in_flight[job.job_id] = job
+            if job.job_id not in meta.jobs_to_flush:
+                self.in_flight[job.job_id] = job
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         """Run every in-flight job now, with the given outcome per direction (CONN-STEP-4)."""

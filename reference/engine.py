@@ -61,7 +61,8 @@ class Engine:
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size)
         self.recorder = StepRecorder()
         self.manager = self.manager_class(config.num_offload_blocks, config.eviction_policy)
-        self.connector = self.connector_class(self.manager, config.block_size, config.block_size_factor, self.recorder)
+        self.connector = self.connector_class(self.manager, config.block_size, config.block_size_factor, self.recorder,
+                                              config.offer_at_finish, config.flush_on_hit)
         self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
                                        config.block_size_factor, config.token_width, config.kv_dtype, device)
         self.worker = self.worker_class(self.transfer)
@@ -72,6 +73,7 @@ class Engine:
         self.delayed_free: set[str] = set()
         self.preempted_since_schedule: set[str] = set()
         self.inflight_prefills: set[str] = set()
+        self.finished_since_schedule: list[str] = []
         self.scheduled_steps = 0
         self.processed_steps = 0
         self.last_scheduled: dict[str, int] = {}
@@ -128,7 +130,8 @@ class Engine:
         request.status = status
         self.inflight_prefills.discard(request.request_id)
         self._step_finished.append(request.request_id)
-        if self.connector.request_finished(request):
+        self.finished_since_schedule.append(request.request_id)
+        if self.connector.request_finished(request, self.kv.blocks_of(request.request_id)):
             self.delayed_free.add(request.request_id)
         else:
             self._free(request.request_id)
@@ -184,8 +187,10 @@ class Engine:
         return result
 
     def has_work(self) -> bool:
-        """Return True while a request is unfinished or unfreed, or a transfer job is pending (SCHED-STEP-1)."""
-        return any(not r.is_finished for r in self.requests.values()) or bool(self.delayed_free or self.connector.jobs)
+        """Return True while a request is unfinished, unfreed or finished since the last step, or a transfer job is
+        pending (SCHED-STEP-1)."""
+        return any(not r.is_finished for r in self.requests.values()) or bool(
+            self.finished_since_schedule or self.delayed_free or self.connector.jobs)
 
     def _run(self, batch: Batch) -> None:
         """Process a batch now (sync), or keep it in flight and process the previous one (SCHED-ASYNC-1)."""
@@ -204,6 +209,7 @@ class Engine:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         allocated: set[int] = set()
+        hit: set[int] = set()
         preempted = self.preempted_since_schedule
         self.preempted_since_schedule = set()
         for request in list(self.running):
@@ -219,9 +225,11 @@ class Engine:
             scheduled[request.request_id] = num_new
             budget -= num_new
         if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, allocated)
+            budget = self._schedule_waiting(budget, scheduled, allocated, hit)
+        finished, self.finished_since_schedule = self.finished_since_schedule, []
         return SchedulerOutput(scheduled, {rid: self.requests[rid] for rid in scheduled},
-                               {rid: list(self.kv.blocks_of(rid)) for rid in scheduled}, allocated, preempted)
+                               {rid: list(self.kv.blocks_of(rid)) for rid in scheduled}, allocated, preempted, finished,
+                               hit)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]) -> list[int] | None:
         """Allocate for a running request, preempting the newest running ones until it fits (SCHED-PREEMPT-1)."""
@@ -230,13 +238,15 @@ class Engine:
             if new_blocks is not None:
                 return new_blocks
             victim = self.running[-1]
+            if not self.config.preempt_in_flight and self.last_scheduled.get(victim.request_id, 0) > self.processed_steps:
+                return None  # its blocks would only return once the step in flight is processed (LIFE-FREE-3)
             self._preempt(victim)
             preempted.add(victim.request_id)
             self.preempted_since_schedule.discard(victim.request_id)
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int]) -> int:
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int], hit: set[int]) -> int:
         """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1)."""
         loaded = [request for request in self.waiting if request.request_id in self.loads_done]
         self.waiting = loaded + [request for request in self.waiting if request not in loaded]  # SCHED-ORDER-1
@@ -267,6 +277,7 @@ class Engine:
             if new_blocks is None:
                 break
             allocated.update(new_blocks)
+            hit.update(local_blocks)
             self.connector.update_state_after_alloc(request, self.kv.blocks_of(request.request_id), num_external)
             request.num_computed_tokens = num_computed
             if load_async or num_computed + num_new < request.num_tokens:

@@ -23,7 +23,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached: dict[BlockHash, int] = {}
+        self.cached: dict[BlockHash, dict[int, None]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,14 +74,14 @@ class BlockPool:
         return blocks
 
     def cache(self, block_id: int, block_hash: BlockHash) -> None:
-        """Register a full, computed block under its hash; the first block with a hash wins (PFX-HIT-2)."""
+        """Register a full, computed block under its hash, after any block already holding it (PFX-HIT-2)."""
         if self.block_hash[block_id] is None:
             self.block_hash[block_id] = block_hash
-            self.cached.setdefault(block_hash, block_id)
+            self.cached.setdefault(block_hash, {})[block_id] = None
 
     def lookup(self, block_hash: BlockHash) -> int | None:
-        """Return the cached block holding `block_hash`, if any."""
-        return self.cached.get(block_hash)
+        """Return the earliest cached block still holding `block_hash`, if any (PFX-HIT-2)."""
+        return next(iter(self.cached.get(block_hash, ())), None)
 
     def reset(self) -> bool:
         """Forget every cached hash; refused unless every block is free (PFX-RESET-1)."""
@@ -96,7 +96,9 @@ class BlockPool:
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             self.block_hash[block_id] = None
-            if self.cached.get(block_hash) == block_id:
+            holders = self.cached[block_hash]
+            del holders[block_id]
+            if not holders:
                 del self.cached[block_hash]
 
 

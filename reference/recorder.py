@@ -15,6 +15,7 @@ class StepRecorder:
     answers: list[tuple[str, int, int | None, bool]] = field(default_factory=list)
     loads: list[tuple[str, list[int], int, int]] = field(default_factory=list)
     store_offers: list[tuple[str, list[int]]] = field(default_factory=list)
+    offer_evictions: list[list[OffloadKey]] = field(default_factory=list)
     stores: list[tuple[str, list[int]]] = field(default_factory=list)
     evicted: list[OffloadKey] = field(default_factory=list)
 

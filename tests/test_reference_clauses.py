@@ -154,6 +154,17 @@ def test_only_full_computed_blocks_are_cached():
     assert len(kv.pool.cached) == 4
 
 
+def test_duplicate_block_found_once_the_first_is_evicted():
+    """PFX-HIT-2: of two blocks with the same hash lookups find the first cached, then the other once it is gone."""
+    kv = KVCacheManager(16, 4)
+    kv.allocate_slots(req("a"), 12, [], 0, delay_caching=False)
+    kv.allocate_slots(req("b"), 12, [], 0, delay_caching=False)
+    first, second = kv.blocks_of("a")[0], kv.blocks_of("b")[0]
+    assert kv.pool.lookup(kv.pool.block_hash[first]) == first
+    kv.pool._uncache(first)
+    assert kv.pool.lookup(kv.pool.block_hash[second]) == second
+
+
 def test_free_order_tail_first():
     """PFX-EVICT-1: a request's blocks are freed tail first and reallocated from the queue's front."""
     kv = KVCacheManager(8, 4)
@@ -407,6 +418,48 @@ def test_loaded_hit_is_not_offered_again(conn):
     assert c.recorder.store_offers == []
 
 
+def test_finished_request_offered_at_the_next_step(engine):
+    """OFF-STORE-6: with offer_at_finish, the step after a request finishes offers its computed blocks not stored
+    yet; under async scheduling that is the block its last step computed."""
+    for offer_at_finish, expected in ((False, []), (True, [("r", [2])])):
+        e = engine(async_scheduling=True, offer_at_finish=offer_at_finish)
+        e.add_request(RequestSpec(request_id="r", prompt=PROMPT[:10], max_tokens=3))
+        offers = [e.step().trace.store_offers for _ in range(6)]
+        assert offers[:4] == [[("r", [0, 1])], [], [], []] and e.requests["r"].is_finished
+        assert offers[4] == expected and offers[5] == []
+
+
+def test_store_of_a_finished_request_flushed_before_its_blocks_are_reused(engine):
+    """OFF-STORE-6, XFER-SAFE-1: a store of a finished request's blocks runs before a step that reallocates them."""
+    e = engine(num_gpu_blocks=5, async_scheduling=True, offer_at_finish=True)
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT[:10], max_tokens=3))
+    for _ in range(4):
+        e.step()
+    e.add_request(RequestSpec(request_id="s", prompt=(3,) * 12))
+    meta_flushes = []
+    build = e.connector.build_connector_meta
+    e.connector.build_connector_meta = lambda output: meta_flushes.append(build(output)) or meta_flushes[-1]
+    result = e.step()
+    (meta,) = meta_flushes
+    (store,) = [job for job in meta.store_jobs if job.request_id == "r"]
+    assert store.job_id in meta.jobs_to_flush and not set(store.gpu_blocks).isdisjoint(result.forward_writes)
+    assert not set(store.gpu_blocks) & result.store_reads_in_flight, "flushed before the forward"
+
+
+def test_store_flushed_when_its_blocks_become_a_hit_if_declared(engine):
+    """LIFE-FREE-2: with flush_on_hit, a pending store is flushed when its blocks become another request's hit."""
+    for flush_on_hit in (False, True):
+        e = engine(flush_on_hit=flush_on_hit)
+        e.add_request(RequestSpec(request_id="r0", prompt=PROMPT))
+        e.step()
+        e.add_request(RequestSpec(request_id="r1", prompt=PROMPT[:8] + (1, 1, 1, 1)))
+        metas = []
+        build = e.connector.build_connector_meta
+        e.connector.build_connector_meta = lambda output: metas.append(build(output)) or metas[-1]
+        e.step()
+        assert metas[0].jobs_to_flush == ({0} if flush_on_hit else set())
+
+
 def test_load_job_is_exactly_the_reported_tokens(conn):
     """CONN-LOAD-1: no load job is created for a 0-token answer; a job covers exactly the reported tokens."""
     c = conn()
@@ -639,6 +692,17 @@ def test_preempt_newest_when_pool_short(engine):
     result = e.step()
     assert result.scheduled_tokens == {"a": 1} and e.requests["b"].num_computed_tokens == 0
     assert [r.request_id for r in e.waiting] == ["b"]
+
+
+def test_no_preemption_of_a_request_the_step_in_flight_holds(engine):
+    """SCHED-PREEMPT-1: without preempt_in_flight, a request whose step is in flight is not preempted for room."""
+    for preempt_in_flight in (True, False):
+        e = engine(num_gpu_blocks=5, async_scheduling=True, preempt_in_flight=preempt_in_flight)
+        e.add_request(RequestSpec(request_id="a", prompt=PROMPT[:8], max_tokens=3))
+        e.add_request(RequestSpec(request_id="b", prompt=PROMPT[:8], max_tokens=3))
+        e.step()
+        e.step()
+        assert (e.requests["b"].num_computed_tokens == 0) is preempt_in_flight, preempt_in_flight
 
 
 def test_async_output_lags_one_step(engine):
