@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvconform.adapters.contract import (
+    VARIANTS,
     EngineConfig,
     ImplementationFailure,
     KVConnectorAdapter,
@@ -58,6 +59,19 @@ class Batch:
     sampled: dict[str, int]
 
 
+class FinishOrder(dict):
+    """The scheduler's `finished_req_ids`, in the order the requests finished.
+
+    vLLM keeps it in a Python `set` and the connector walks it (0.32+ offers each finished request's last
+    blocks in that order, OFF-STORE-6), so the order follows string hashes and changes from one process to
+    the next. Insertion order is one of the orders a set can take; it makes runs reproducible and
+    comparable. This is the one place where the adapter replaces a piece of vLLM's state.
+    """
+
+    def add(self, request_id: str) -> None:
+        self[request_id] = None
+
+
 def wrap(obj: Any, name: str, after: Callable[..., None]) -> None:
     """Replace `obj.name` by a call to the original followed by `after(result, *args, **kwargs)`."""
     original = getattr(obj, name)
@@ -68,6 +82,57 @@ def wrap(obj: Any, name: str, after: Callable[..., None]) -> None:
         return result
 
     setattr(obj, name, recorded)
+
+
+class MixinGlue:
+    """Up to 0.24: the worker-side connector called as `GPUModelRunner.execute_model` and its
+    `KVConnectorModelRunnerMixin` do — preemptions, bind, start loads, forward, wait for save, get finished."""
+
+    def __init__(self, rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.rt, self.vllm_config, self.worker = rt, vllm_config, worker
+        self.mixin = rt.load("vllm.v1.worker.kv_connector_model_runner_mixin").KVConnectorModelRunnerMixin
+        worker.register_kv_caches(kv_caches)
+
+    def install(self) -> None:
+        """Make this adapter's worker-side connector vLLM's process-wide KV transfer group."""
+        self.rt.load("vllm.distributed.kv_transfer.kv_transfer_state")._KV_CONNECTOR_AGENT = self.worker
+
+    def no_forward(self, scheduler_output: Any) -> Any:
+        self.worker.handle_preemptions(scheduler_output.kv_connector_metadata)
+        return self.mixin.kv_connector_no_forward(scheduler_output, self.vllm_config)
+
+    def around_forward(self, scheduler_output: Any, forward: Callable[[], None]) -> Any:
+        self.worker.handle_preemptions(scheduler_output.kv_connector_metadata)
+        context = self.rt.load("vllm.forward_context").set_forward_context(None, self.vllm_config)
+        with context, self.mixin.maybe_get_kv_connector_output(scheduler_output) as connector_output:
+            forward()
+        return connector_output
+
+
+class ActiveConnectorGlue(MixinGlue):
+    """0.32+: the worker-side connector called through vLLM's `ActiveKVConnector` (model runner v2) —
+    preemptions and bind before the forward, loads, saves and finished transfers after it."""
+
+    def __init__(self, rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.rt, self.vllm_config, self.worker = rt, vllm_config, worker
+        self.install()
+        self.active = rt.load("vllm.v1.worker.gpu.kv_connector").ActiveKVConnector(vllm_config, kv_caches)
+
+    def no_forward(self, scheduler_output: Any) -> Any:
+        return self.active.no_forward(scheduler_output)
+
+    def around_forward(self, scheduler_output: Any, forward: Callable[[], None]) -> Any:
+        with self.rt.load("vllm.forward_context").set_forward_context(None, self.vllm_config):
+            self.active.pre_forward(scheduler_output)
+            forward()
+        self.active.finish_forward()
+        return self.active.post_forward(scheduler_output.finished_req_ids)
+
+
+def runner_glue(rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: dict[str, torch.Tensor]) -> MixinGlue:
+    """Return the model-runner glue of the installed release, which registers `kv_caches` with `worker`."""
+    glue = ActiveConnectorGlue if getattr(vllm_config, "use_v2_model_runner", True) else MixinGlue
+    return glue(rt, vllm_config, worker, kv_caches)
 
 
 class VllmAdapter(KVConnectorAdapter):
@@ -91,6 +156,13 @@ class VllmAdapter(KVConnectorAdapter):
     def attach(self) -> None:
         """Wrap the connector's objects once the scheduler and the worker-side connector exist."""
 
+    def store_slots(self, config: EngineConfig) -> int:
+        """Return the store rows (in offloaded blocks) the transfer engine holds."""
+        return config.num_offload_blocks
+
+    def worker_built(self, worker: Any) -> None:
+        """Adjust the worker-side connector before its KV caches are registered; the default keeps it."""
+
     @abc.abstractmethod
     def observe_metadata(self, meta: Any) -> None:
         """Record the load and store jobs of a step's connector metadata and issue them to `self.transfers`."""
@@ -105,11 +177,25 @@ class VllmAdapter(KVConnectorAdapter):
         return f"vllm {self.rt.version}"
 
     def base_capabilities(self) -> dict[str, Any]:
-        """Return the capabilities every vLLM adapter shares; no external preempt exists in vLLM."""
+        """Return the capabilities every vLLM adapter shares; no external preempt exists in vLLM. 0.34's scheduler
+        does not preempt a request whose blocks only a deferred free would return (`_request_blocks_can_be_freed`)."""
+        scheduler = self.rt.sched.Scheduler
         return dict(preemption=False, abort=True, kv_cache_groups=1, reads_kv=True,
-                    reset_connector="reset_connector" in inspect.signature(self.rt.sched.Scheduler.reset_prefix_cache).parameters)
+                    reset_connector="reset_connector" in inspect.signature(scheduler.reset_prefix_cache).parameters,
+                    preempt_in_flight=(not hasattr(scheduler, "_request_blocks_can_be_freed"),))
+
+    def check_supported(self, config: EngineConfig) -> None:
+        """Refuse a configuration outside the capabilities: a factor, policy or behaviour variant it lacks."""
+        declared = self.capabilities()
+        wanted = {"block_size_factors": config.block_size_factor, "eviction_policies": config.eviction_policy,
+                  **{variant: getattr(config, variant) for variant in VARIANTS}}
+        for capability, value in wanted.items():
+            if value not in getattr(declared, capability):
+                raise ValueError(f"{self.name} on vLLM {self.rt.version} supports {capability} "
+                                 f"{getattr(declared, capability)}, not {value!r}")
 
     def start(self, config: EngineConfig) -> None:
+        self.check_supported(config)
         if config.token_width % 2:
             raise ValueError(f"token_width {config.token_width} must be even: the layout has one K and one V half")
         self.config = config
@@ -118,7 +204,7 @@ class VllmAdapter(KVConnectorAdapter):
         self.queue: list[Batch] = []
         self.lora_ids: dict[str, int] = {}
         self.requests: dict[str, Any] = {}
-        self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
+        self.transfer = TransferEngine(config.num_gpu_blocks, self.store_slots(config), config.block_size,
                                        config.block_size_factor, config.token_width, config.kv_dtype,
                                        torch.device("cpu"))
         self.transfers = HeldTransfers(self.transfer)
@@ -138,7 +224,9 @@ class VllmAdapter(KVConnectorAdapter):
         self.worker = self.rt.factory.KVConnectorFactory.create_connector(
             config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
             kv_cache_config=self.kv_cache_config)
-        self.worker.register_kv_caches({KV_LAYER: self.transfer.gpu})
+        self.worker_built(self.worker)
+        self.runner = runner_glue(self.rt, self.vllm_config, self.worker, {KV_LAYER: self.transfer.gpu})
+        self.scheduler.finished_req_ids = FinishOrder()
         wrap(self.scheduler.connector, "get_num_new_matched_tokens", self._record_match)
         wrap(self.scheduler.kv_cache_manager, "free", self._record_free)
         if hasattr(self.scheduler.kv_cache_manager, "pop_blocks_for_free"):  # 0.24+: frees deferred in async mode
@@ -203,7 +291,7 @@ class VllmAdapter(KVConnectorAdapter):
         if self.config.async_scheduling:
             self._step_with_batch_queue()
         elif self.scheduler.has_requests():
-            batch = self._execute(self.scheduler.schedule())
+            batch = self._execute(self._schedule())
             self._process(batch)
         observation = self._observe()
         self.trace = StepTrace()
@@ -211,40 +299,39 @@ class VllmAdapter(KVConnectorAdapter):
 
     def _step_with_batch_queue(self) -> None:
         if self.scheduler.has_requests():
-            self.queue.insert(0, self._execute(self.scheduler.schedule()))
+            self.queue.insert(0, self._execute(self._schedule()))
             if len(self.queue) < 2 and self.scheduler.has_requests():
                 return
         elif not self.queue:
             return
         self._process(self.queue.pop())
 
+    def _schedule(self) -> Any:
+        """`Scheduler.schedule`; the finished-request set it starts afresh keeps finish order (`FinishOrder`)."""
+        scheduler_output = self.scheduler.schedule()
+        self.scheduler.finished_req_ids = FinishOrder()
+        return scheduler_output
+
     def _execute(self, scheduler_output: Any) -> Batch:
-        """Run the model runner's part of a step: connector calls around the forward (vLLM's mixin order)."""
-        worker = self.worker
+        """Run the model runner's part of a step: vLLM's own runner-side connector calls around the forward."""
         self.trace.scheduled_tokens = dict(scheduler_output.num_scheduled_tokens)
-        meta = scheduler_output.kv_connector_metadata
-        self.observe_metadata(meta)
-        if hasattr(worker, "handle_preemptions"):
-            worker.handle_preemptions(meta)
+        self.transfers.begin_step()
+        self.observe_metadata(scheduler_output.kv_connector_metadata)
+        self.runner.install()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return Batch(scheduler_output, self.runner.no_forward(scheduler_output), {})
         runner_tokens = self._runner_tokens(scheduler_output)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
         sampled: dict[str, int] = {}
-        if scheduler_output.total_num_scheduled_tokens > 0:
+
+        def forward() -> None:
             self.trace.store_reads_in_flight |= self.transfers.store_reads()
-            sampled = self._forward(scheduler_output, runner_tokens)
-            worker.wait_for_save()
-        outputs = self.rt.outputs
-        connector_output = outputs.KVConnectorOutput()
-        connector_output.finished_sending, connector_output.finished_recving = worker.get_finished(
-            scheduler_output.finished_req_ids)
-        connector_output.invalid_block_ids = worker.get_block_ids_with_load_errors()
-        if hasattr(worker, "build_connector_worker_meta"):
-            connector_output.kv_connector_worker_meta = worker.build_connector_worker_meta()
-        worker.clear_connector_metadata()
+            sampled.update(self._forward(scheduler_output, runner_tokens))
+
+        connector_output = self.runner.around_forward(scheduler_output, forward)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         runner_output = runtime.dataclass_kwargs(
-            outputs.ModelRunnerOutput, req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            self.rt.outputs.ModelRunnerOutput, req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
             kv_connector_output=connector_output)
         return Batch(scheduler_output, runner_output, sampled)

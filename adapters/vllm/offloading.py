@@ -36,7 +36,15 @@ class VllmOffloadingAdapter(VllmAdapter):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(async_scheduling=True, eviction_policies=("lru", "arc"), block_size_factors=(1, 2, 3),
-                            transfer_failures=self.reports_failures(), **self.base_capabilities())
+                            transfer_failures=self.reports_failures(), offer_at_finish=(self.offers_at_finish(),),
+                            flush_on_hit=(self.flushes_on_hit(),), **self.base_capabilities())
+
+    def offers_at_finish(self) -> bool:
+        """Return whether the connector offers a finished request's remaining blocks at the next step (OFF-STORE-6):
+        0.32+ `_build_store_jobs` walks the scheduler output's `finished_req_ids` too."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+        return "finished_req_ids" in inspect.getsource(OffloadingConnectorScheduler._build_store_jobs)
 
     def reports_failures(self) -> bool:
         """Return whether the worker side can report a failed transfer: up to 0.24 it asserts every transfer
@@ -64,6 +72,14 @@ class VllmOffloadingAdapter(VllmAdapter):
             # OFF-STORE-1 offers every full computed block, decoded ones included; vLLM's default is prompt only.
             "offload_prompt_only": False,
         }
+
+    def flushes_on_hit(self) -> bool:
+        """Return whether a pending store is flushed when its blocks become a hit (LIFE-FREE-2): 0.34's
+        `update_state_after_alloc` adds every block of an admitted request to the step's allocated blocks."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+        source = inspect.getsource(OffloadingConnectorScheduler.update_state_after_alloc)
+        return source.index("_current_batch_allocated_block_ids") < source.index("if num_external_tokens == 0")
 
     def start(self, config: EngineConfig) -> None:
         self.manager: Any = None
@@ -132,13 +148,14 @@ class VllmOffloadingAdapter(VllmAdapter):
 
     def _record_prepare_store(self, result: Any, keys: Any, context: Any) -> None:
         request_id = context.req_id
-        keys = list(keys)
-        self.step_record.offers.append(StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys)))
+        evicted = tuple(self.ref(key) for key in result.evicted_keys) if result is not None else ()
+        self.step_record.offers.append(StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys),
+                                                evicted=evicted))
         if result is None:
             return
         for key in result.keys_to_store:
             self.origin.setdefault(key, BlockRef(request_id=request_id, index=self.indices(request_id, [key])[0]))
-        self.step_record.evicted += [self.ref(key) for key in result.evicted_keys]
+        self.step_record.evicted += evicted
         self.step_record.prepared[id(result.store_spec)] = (request_id, list(result.keys_to_store))
 
     def observe_metadata(self, meta: Any) -> None:
@@ -153,7 +170,10 @@ class VllmOffloadingAdapter(VllmAdapter):
             _, cpu = job_specs(job)
             request_id, keys = record.prepared[id(cpu)]
             record.stores.append(StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys)))
-        self.transfers.issue([*meta.load_jobs, *meta.store_jobs])
+        for jobs, is_store in ((meta.load_jobs, False), (meta.store_jobs, True)):
+            for job_id, job in jobs.items():
+                gpu = job_specs(job)[0 if is_store else 1]
+                self.transfers.issue(job_id, is_store, (int(b) for b in gpu.block_ids))
 
     def observe_connector(self, observation: dict[str, Any]) -> None:
         record, self.step_record = self.step_record, _StepRecord()

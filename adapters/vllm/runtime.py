@@ -12,7 +12,9 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -55,6 +57,14 @@ class Runtime:
             return self.modules[name]
         except KeyError:
             raise AttributeError(name) from None
+
+    def load(self, module: str) -> ModuleType:
+        """Return vLLM module `module` (imported on first use)."""
+        return importlib.import_module(module)
+
+    def has_module(self, module: str) -> bool:
+        """Return whether the installed release has module `module` (a feature check across releases)."""
+        return importlib.util.find_spec(module) is not None
 
     def vllm_config(self, config: EngineConfig, connector: str, extra_config: dict[str, Any]) -> Any:
         """Return a VllmConfig for `config` with the KV connector `connector` (CPU device, prefix caching on)."""
@@ -120,6 +130,7 @@ def load() -> Runtime:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         modules = {name: importlib.import_module(path) for name, path in _IMPORTS.items()}
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     except Exception as error:  # a broken install: name the fix, not the traceback
         raise VllmUnavailable(f"vLLM {version} is installed but cannot be imported ({type(error).__name__}: "
                               f"{error}); reinstall it with `kvconform install-vllm VERSION`") from error

@@ -39,36 +39,41 @@ class HeldTransfers:
     def __init__(self, engine: TransferEngine) -> None:
         self.engine = engine
         self.held: dict[int, Copy] = {}
-        self.issued: set[int] = set()
-        self.released: set[int] = set()
-        self.failing: tuple[bool, bool] = (False, False)
+        self.issued: dict[int, Copy] = {}
+        self.released: dict[int, bool] = {}
         self.finished: list[tuple[int, bool]] = []
+        self.this_step: set[int] = set()
 
-    def issue(self, job_ids: Iterable[int]) -> None:
-        """Note jobs the scheduler side handed to the worker (they may be submitted a step later)."""
-        self.issued.update(job_ids)
+    def begin_step(self) -> None:
+        """Start a new engine step: the jobs issued from now on are this step's."""
+        self.this_step = set()
+
+    def issue(self, job_id: int, is_store: bool, gpu_blocks: Iterable[int]) -> None:
+        """Note a load or store the scheduler side handed to the worker (it may be submitted a step later)."""
+        self.issued[job_id] = Copy(is_store, tuple(gpu_blocks), ())
+        self.this_step.add(job_id)
 
     def submit(self, job_id: int, copy: Copy) -> None:
         """Hold a submitted job, or run it now if the harness already let it finish."""
         if job_id in self.released:
-            self._run(job_id, copy)
+            self._run(job_id, copy, self.released[job_id])
         else:
             self.held[job_id] = copy
 
     def complete(self, fail_loads: bool = False, fail_stores: bool = False) -> None:
-        """Finish every held job now, and every issued job as soon as vLLM submits it; loads and/or stores fail
+        """Finish every held job now, and every issued one as soon as vLLM submits it; loads and/or stores fail
         (copy nothing) if asked."""
-        self.failing = (fail_loads, fail_stores)
+        fails = (fail_loads, fail_stores)
         for job_id in sorted(self.held):
-            self._run(job_id, self.held.pop(job_id))
-        self.released = set(self.issued)
+            copy = self.held.pop(job_id)
+            self._run(job_id, copy, not fails[copy.is_store])
+        for job_id, issued in self.issued.items():
+            self.released.setdefault(job_id, not fails[issued.is_store])
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Finish the named held jobs now, successfully (vLLM's blocking `wait`, used to flush stores)."""
-        failing, self.failing = self.failing, (False, False)
         for job_id in sorted(set(job_ids) & self.held.keys()):
-            self._run(job_id, self.held.pop(job_id))
-        self.failing = failing
+            self._run(job_id, self.held.pop(job_id), True)
 
     def take_finished(self) -> list[tuple[int, bool]]:
         """Return the jobs finished since the last call, each with its success."""
@@ -76,15 +81,16 @@ class HeldTransfers:
         return finished
 
     def store_reads(self) -> set[int]:
-        """Return the GPU blocks that held stores will still read (XFER-SAFE-1)."""
-        return {block for copy in self.held.values() if copy.is_store for block in copy.gpu_blocks}
+        """Return the GPU blocks that stores issued in earlier steps and not finished will still read (XFER-SAFE-1);
+        a store vLLM has not submitted yet reads them once it is. This step's stores follow its forward."""
+        return {block for job_id, copy in self.issued.items() if copy.is_store and job_id not in self.this_step
+                for block in copy.gpu_blocks}
 
-    def _run(self, job_id: int, copy: Copy) -> None:
-        success = not self.failing[copy.is_store]
+    def _run(self, job_id: int, copy: Copy, success: bool) -> None:
         if success and copy.is_store:
             self.engine.copy_to_store(copy.gpu_blocks, copy.rows)
         elif success:
             self.engine.copy_to_gpu(copy.rows, copy.gpu_blocks)
-        self.issued.discard(job_id)
-        self.released.discard(job_id)
+        self.issued.pop(job_id, None)
+        self.released.pop(job_id, None)
         self.finished.append((job_id, success))

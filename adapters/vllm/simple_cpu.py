@@ -1,0 +1,235 @@
+"""`vllm-simple-cpu`: vLLM's SimpleCPUOffloadConnector, eager mode.
+
+Real vLLM code: everything of `engine.py`, plus the connector and its scheduler side
+(`SimpleCPUOffloadScheduler`: a second, CPU `BlockPool` and `KVCacheCoordinator` keyed by the same block
+hashes, so the CPU store is an LRU free queue of GPU-block-sized blocks). Not vLLM code: the forward
+(`engine.py`) and the worker handler. vLLM's `SimpleCPUOffloadWorker` copies with CUDA streams, events and
+a DMA kernel; this adapter replaces it (`HeldSimpleWorker`) by one that keeps the same metadata protocol —
+load and store events in, `finished_recving` and completed store events out — and executes the copies
+with kvconform's torch transfer engine when the harness completes transfers.
+
+Observations: lookups are the CPU pool's `get_cached_block` calls while the connector answers
+`get_num_new_matched_tokens`; loads are the connector's load transfers (`_reqs_to_load`); the blocks the
+eager store walks past in a step are its offers, those it allocates CPU blocks for are its stores;
+evictions are the CPU pool's evicted cached blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvconform.adapters.contract import (
+    BlockRef,
+    Capabilities,
+    EngineConfig,
+    LoadJob,
+    StoreJob,
+    StoreSnapshot,
+)
+from kvconform.adapters.vllm.engine import VllmAdapter, wrap
+from kvconform.adapters.vllm.transfers import Copy, HeldTransfers
+
+LOAD, STORE = 0, 1
+"""A simple-connector event `e` is transfer job `2e` (load) or `2e + 1` (store)."""
+
+
+class HeldSimpleWorker:
+    """The worker side of the SimpleCPUOffloadConnector, with transfers held until the harness completes them.
+
+    Up to 0.24 the connector hands the worker its events in `get_finished`; from 0.32 loads in `start_load_kv`
+    and stores in `wait_for_save`. Either way each event is submitted once.
+    """
+
+    def __init__(self, transfers: HeldTransfers, num_cpu_blocks: int) -> None:
+        self.transfers = transfers
+        self.num_cpu_blocks = num_cpu_blocks
+        self.meta: Any = None
+        self.load_requests: dict[int, list[str]] = {}
+        self.completed_stores: dict[int, int] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """The KV tensors are the transfer engine's already."""
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        self.meta, self.pending = meta, {LOAD: meta.load_event >= 0, STORE: meta.store_event >= 0}
+
+    def clear_connector_metadata(self) -> None:
+        self.meta = None
+
+    def handle_preemptions(self, meta: Any) -> None:
+        """A preemption flushes every pending transfer, as vLLM's worker does (`_flush_and_sync_all`)."""
+        if meta.need_flush:
+            self.transfers.wait(set(self.transfers.held))
+
+    def start_load_kv(self) -> None:
+        meta = self.meta
+        if self.pending.pop(LOAD, False):
+            self.load_requests[meta.load_event] = list(meta.load_event_to_reqs.get(meta.load_event, ()))
+            self.transfers.submit(2 * meta.load_event + LOAD,
+                                  Copy(False, tuple(meta.load_gpu_blocks), tuple(meta.load_cpu_blocks)))
+
+    def wait_for_save(self) -> None:
+        meta = self.meta
+        if self.pending.pop(STORE, False):
+            self.transfers.submit(2 * meta.store_event + STORE,
+                                  Copy(True, tuple(meta.store_gpu_blocks), tuple(meta.store_cpu_blocks)))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        """Submit this step's events not submitted yet, then report the finished ones."""
+        if self.meta is not None:
+            self.start_load_kv()
+            self.wait_for_save()
+        recving: set[str] = set()
+        for job_id, _ in self.transfers.take_finished():
+            event, kind = divmod(job_id, 2)
+            if kind == STORE:
+                self.completed_stores[event] = 1
+            else:
+                recving.update(self.load_requests.pop(event))
+        return None, recving or None
+
+    def build_connector_worker_meta(self) -> Any:
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        return SimpleCPUOffloadWorkerMetadata(completed_store_events=self.completed_stores) \
+            if self.completed_stores else None
+
+
+class VllmSimpleCPUAdapter(VllmAdapter):
+    """Drives vLLM's scheduler with the SimpleCPUOffloadConnector (eager stores)."""
+
+    name = "vllm-simple-cpu"
+    connector_name = "SimpleCPUOffloadConnector"
+
+    def capabilities(self) -> Capabilities:
+        # One CPU block per GPU block (no block_size_factor), one LRU free queue (no policy choice), and no way
+        # to report a failed transfer: the worker metadata only carries completed store events.
+        # Connector reset: 0.23's reset_cache raises NotImplementedError; 0.24 adds SimpleCPUOffloadScheduler.reset.
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+        shared = {**self.base_capabilities(), "reset_connector": hasattr(SimpleCPUOffloadScheduler, "reset")}
+        return Capabilities(async_scheduling=True, eviction_policies=("lru",), block_size_factors=(1,),
+                            transfer_failures=False, **shared)
+
+    def store_slots(self, config: EngineConfig) -> int:
+        return config.num_offload_blocks + 1  # the CPU BlockPool keeps block 0 as its null block
+
+    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
+        page = config.block_size * config.token_width * self.transfer.gpu.element_size()
+        return {"cpu_bytes_to_use": page * self.store_slots(config), "lazy_offload": False}
+
+    def worker_built(self, worker: Any) -> None:
+        worker.worker_handler = HeldSimpleWorker(self.transfers, self.store_slots(self.config))
+
+    def attach(self) -> None:
+        self.manager = self.scheduler.connector.scheduler_manager
+        self.cpu_pool = self.manager.cpu_block_pool
+        self.record: dict[str, Any] = self.empty_record()
+        self.looking_up: str | None = None
+        self.origin: dict[bytes, BlockRef] = {}
+        self.storing: dict[int, list[BlockRef]] = {}
+        original = self.manager.get_num_new_matched_tokens
+
+        def answering(request: Any, num_computed_tokens: int) -> Any:
+            self.looking_up = request.request_id
+            try:
+                return original(request, num_computed_tokens)
+            finally:
+                self.looking_up = None
+
+        self.manager.get_num_new_matched_tokens = answering
+        original_build = self.manager.build_connector_meta
+
+        def building(scheduler_output: Any) -> Any:
+            before = self.store_cursors()
+            meta = original_build(scheduler_output)
+            for request_id, cursor in self.store_cursors().items():
+                if cursor > before.get(request_id, 0):
+                    self.record["offers"].append(StoreJob(request_id=request_id,
+                                                          offload_indices=tuple(range(before.get(request_id, 0), cursor))))
+            return meta
+
+        self.manager.build_connector_meta = building
+        wrap(self.cpu_pool, "get_cached_block", self._record_lookup)
+        original_evict = self.cpu_pool._maybe_evict_cached_block
+
+        def evicting(block: Any) -> bool:
+            block_hash = block.block_hash
+            evicted = original_evict(block)
+            if evicted:
+                self.record["evicted"].append(self.origin[self.plain_hash(block_hash)])
+            return evicted
+
+        self.cpu_pool._maybe_evict_cached_block = evicting
+
+    def store_cursors(self) -> dict[str, int]:
+        """Return how far the eager store has walked each request's blocks (stored or found stored)."""
+        return {request_id: state.num_stored_blocks[0] for request_id, state in self.manager._reqs_to_store.items()}
+
+    @staticmethod
+    def empty_record() -> dict[str, Any]:
+        return {"lookups": {}, "loads": [], "offers": [], "stores": [], "evicted": []}
+
+    @staticmethod
+    def plain_hash(key: Any) -> bytes:
+        """Return the block hash of a CPU-pool key (a hash with its KV-cache group id appended)."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        return get_block_hash(key)
+
+    def _record_lookup(self, result: Any, block_hash: Any, group_ids: Any) -> None:
+        if self.looking_up is not None:
+            index = list(self.requests[self.looking_up].block_hashes).index(block_hash)
+            self.record["lookups"].setdefault(self.looking_up, []).append(index)
+
+    def observe_metadata(self, meta: Any) -> None:
+        """Loads: the connector's load transfers of this event; stores: the blocks of its store event, by request."""
+        record = self.record
+        for request_id in meta.load_event_to_reqs.get(meta.load_event, ()) if meta.load_event >= 0 else ():
+            gpu_blocks = self.manager._reqs_to_load[request_id].transfer_meta.gpu_block_ids
+            positions = [self.block_ids(request_id).index(block) for block in gpu_blocks]
+            record["loads"].append(LoadJob(request_id=request_id, offload_indices=tuple(positions),
+                                           first_gpu_block=positions[0], num_gpu_blocks=len(positions)))
+            self.transfers.issue(2 * meta.load_event + LOAD, False, gpu_blocks)
+        if meta.store_event >= 0:
+            refs = self.store_refs(meta.store_gpu_blocks)
+            for ref in refs:
+                self.origin.setdefault(self.requests[ref.request_id].block_hashes[ref.index], ref)
+            by_request: dict[str, list[int]] = {}
+            for ref in refs:
+                by_request.setdefault(ref.request_id, []).append(ref.index)
+            record["stores"] += [StoreJob(request_id=r, offload_indices=tuple(i)) for r, i in by_request.items()]
+            self.storing[meta.store_event] = refs
+            self.transfers.issue(2 * meta.store_event + STORE, True, meta.store_gpu_blocks)
+
+    def store_refs(self, gpu_blocks: list[int]) -> list[BlockRef]:
+        """Name the GPU blocks of a store event by the request block each holds."""
+        owner = {}
+        for request_id, state in self.manager._reqs_to_store.items():
+            for position, block in enumerate(state.block_ids[0]):
+                owner.setdefault(block, BlockRef(request_id=request_id, index=position))
+        return [owner[block] for block in gpu_blocks]
+
+    def observe_connector(self, observation: dict[str, Any]) -> None:
+        record, self.record = self.record, self.empty_record()
+        observation.update(lookups={r: tuple(i) for r, i in record["lookups"].items()}, loads=tuple(record["loads"]),
+                           store_offers=tuple(record["offers"]), stores=tuple(record["stores"]),
+                           evicted=tuple(record["evicted"]))
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        if fail_loads or fail_stores:
+            raise ValueError("the SimpleCPUOffloadConnector cannot report failed transfers (capabilities say so)")
+        self.transfers.complete()
+
+    def store_contents(self) -> StoreSnapshot:
+        cached = {self.plain_hash(key) for key in self.cpu_pool.cached_block_hash_to_block._cache}
+        ready = {self.origin[block_hash] for block_hash in cached}
+        storing = {ref for event in self.manager._store_event_to_blocks for ref in self.storing[event]} - ready
+        return StoreSnapshot(ready=frozenset(ready), storing=frozenset(storing))
+
+    def pinned_offload_blocks(self) -> int:
+        return len({block for state in self.manager._reqs_to_load.values()
+                    for block in state.transfer_meta.cpu_block_ids})
+
+    def jobs_in_flight(self) -> int:
+        return len(self.manager._store_event_to_blocks) + len(self.manager._reqs_to_load)

