@@ -76,11 +76,14 @@ def test_adapters_listed_without_importing_vllm() -> None:
     assert "vllm-offloading\t" in result.output and "vllm-simple-cpu\t" in result.output
 
 
-@pytest.mark.skipif(VERSION is not None, reason="vLLM is installed here")
-def test_missing_vllm_is_one_line_exit_2() -> None:
+@pytest.mark.parametrize("adapter", ["vllm-offloading", "vllm-simple-cpu"])
+def test_missing_vllm_is_one_line_exit_2(monkeypatch: pytest.MonkeyPatch, adapter: str) -> None:
     """Without vLLM, running a vLLM adapter is a usage error naming the install command."""
-    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-offloading"])
-    assert result.exit_code == 2 and "kvconform install-vllm VERSION" in result.stderr
+    monkeypatch.setattr(runtime, "installed_version", lambda: None)
+    monkeypatch.setattr(runtime, "load", runtime.load.__wrapped__)
+    result = CliRunner().invoke(main, ["run", "--adapter", adapter])
+    assert result.exit_code == 2 and "kvconform install-vllm VERSION" in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 # --- real vLLM ----------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class FinishOrder(dict):
     vLLM keeps it in a Python `set` and the connector walks it (0.32+ offers each finished request's last
     blocks in that order, OFF-STORE-6), so the order follows string hashes and changes from one process to
     the next. Insertion order is one of the orders a set can take; it makes runs reproducible and
-    comparable. This is the one place where the adapter replaces a piece of vLLM's state.
+    comparable. It is the one piece of the scheduler's state the adapter replaces.
     """
 
     def add(self, request_id: str) -> None:
@@ -152,9 +152,8 @@ class VllmAdapter(KVConnectorAdapter):
     def extra_config(self, config: EngineConfig) -> dict[str, Any]:
         """Return the connector's `kv_connector_extra_config` for `config`."""
 
-    @abc.abstractmethod
     def attach(self) -> None:
-        """Wrap the connector's objects once the scheduler and the worker-side connector exist."""
+        """Wrap the connector's objects once the scheduler and the worker-side connector exist; by default none."""
 
     def store_slots(self, config: EngineConfig) -> int:
         """Return the store rows (in offloaded blocks) the transfer engine holds."""

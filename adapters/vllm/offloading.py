@@ -107,9 +107,6 @@ class VllmOffloadingAdapter(VllmAdapter):
         wrap(manager, "prepare_store", self._record_prepare_store)
         wrap(manager, "reset_cache", lambda result: self.pins.clear())
 
-    def attach(self) -> None:
-        """Nothing to wrap beyond the manager, which the spec hands over when vLLM builds it."""
-
     # --- offload keys ------------------------------------------------------------------------------
 
     def keys_of(self, request_id: str) -> list[bytes]:
