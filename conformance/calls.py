@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -64,6 +65,7 @@ class AdapterCaller:
         self.config: EngineConfig | None = None
         self.trace: list[str] = []
         self.hung = False
+        self.seconds = 0.0
 
     def build(self, factory: Callable[[], KVConnectorAdapter]) -> KVConnectorAdapter:
         """Build the adapter under the same timeout and failure rules as any call (CONF-CALL-1, CONF-CALL-2)."""
@@ -80,6 +82,7 @@ class AdapterCaller:
 
     def _invoke(self, call: str, function: Callable[[], Any]) -> Any:
         self.trace.append(call)
+        started = time.perf_counter()
         try:
             with _deadline(self.timeout, call, self.trace):
                 return function()
@@ -89,6 +92,8 @@ class AdapterCaller:
         except (Exception, SystemExit) as error:  # an adapter calling sys.exit must not end the run
             raise ClauseViolation("CONF-CALL-1", f"{call} raised {type(error).__name__}: {error}",
                                   adapter_traceback="".join(traceback.format_exception(error))) from error
+        finally:
+            self.seconds += time.perf_counter() - started
 
     def validated(self, call: str, operation: str, value: Any) -> Any:
         """Return `value` if it is what the contract says `operation` returns, else fail CONF-OBS-1."""

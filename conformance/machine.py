@@ -6,6 +6,7 @@ After every rule the observations of both are compared by the registered checks 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -43,6 +44,8 @@ class Session:
     on_example: Callable[[], None] | None = None
     coverage: dict[str, int] = field(default_factory=dict)
     steps: int = 0
+    adapter_seconds: float = 0.0
+    reference_seconds: float = 0.0
 
 
 def scheduling_modes(capabilities: Capabilities, scheduling: Scheduling) -> list[bool]:
@@ -96,6 +99,14 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`)."""
         return self.caller(operation, *args)
 
+    def expect(self, operation: str, *args: Any) -> Any:
+        """Return the reference's answer to `operation(*args)`, timing it apart from the harness."""
+        started = time.perf_counter()
+        try:
+            return getattr(self.oracle, operation)(*args)
+        finally:
+            self.session.reference_seconds += time.perf_counter() - started
+
     def unfinished(self) -> list[str]:
         return sorted(r for r, req in self.oracle.engine.requests.items() if not req.is_finished)
 
@@ -115,7 +126,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
         self.session.steps += 1
         self.judge("adapter.step()", "step", expected, actual)
-        store = self.oracle.store_contents()
+        store = self.expect("store_contents")
         self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
         self.ctx.previous_store = store
         if self.capabilities.reads_kv:
@@ -134,7 +145,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         config = data.draw(engine_configs(self.capabilities, self.session.scheduling), label="config")
         note(f"state.start({config!r})")
         self.oracle = ReferenceAdapter()
-        self.oracle.start(config)
+        self.expect("start", config)
         self.call("start", config)
         self.ctx = Context(config, {}, self.oracle.engine, exercised=self.session.coverage)
 
@@ -152,7 +163,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         note(f"state.add_request({spec!r})")
         self.next_id += 1
         self.ctx.requests[spec.request_id] = spec
-        self.oracle.add_request(spec)
+        self.expect("add_request", spec)
         self.call("add_request", spec)
 
     @rule(transfers_done=st.booleans())
@@ -161,7 +172,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         if transfers_done:
             self.complete_transfers(False, False)
         note("state.step()")
-        expected = self.oracle.step()
+        expected = self.expect("step")
         self.compare_step(expected, self.call("step"))
 
     @rule(fail_loads=st.booleans(), fail_stores=st.booleans())
@@ -169,7 +180,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         fail_loads &= self.capabilities.transfer_failures
         fail_stores &= self.capabilities.transfer_failures
         note(f"state.complete_transfers(fail_loads={fail_loads}, fail_stores={fail_stores})")
-        self.oracle.complete_transfers(fail_loads, fail_stores)
+        self.expect("complete_transfers", fail_loads, fail_stores)
         self.call("complete_transfers", fail_loads, fail_stores)
 
     @precondition(lambda self: self.capabilities.abort and self.unfinished())
@@ -177,7 +188,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(self.unfinished()), label="request_id")
         note(f"state.abort({request_id!r})")
-        self.oracle.abort(request_id)
+        self.expect("abort", request_id)
         self.call("abort", request_id)
 
     @precondition(lambda self: self.capabilities.preemption and self.running())
@@ -185,14 +196,14 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def preempt(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(self.running()), label="request_id")
         note(f"state.preempt({request_id!r})")
-        self.oracle.preempt(request_id)
+        self.expect("preempt", request_id)
         self.call("preempt", request_id)
 
     @rule(reset_connector=st.booleans())
     def reset_prefix_cache(self, reset_connector: bool) -> None:
         reset_connector &= self.capabilities.reset_connector
         note(f"state.reset_prefix_cache(reset_connector={reset_connector})")
-        expected = self.oracle.reset_prefix_cache(reset_connector)
+        expected = self.expect("reset_prefix_cache", reset_connector)
         actual = self.call("reset_prefix_cache", reset_connector)
         self.ctx.exercise("PFX-RESET-1")
         if expected != actual:
@@ -201,6 +212,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.caller.adapter is not None and not self.caller.hung:
             self.call("close")
+        self.session.adapter_seconds += self.caller.seconds
 
     @rule()
     def drain(self) -> None:
@@ -209,12 +221,12 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         steps = 0
         while steps < DRAIN_STEP_LIMIT and (self.unfinished() or self.oracle.engine.in_flight_job_count()
                                             or self.oracle.engine.in_flight is not None):
-            self.oracle.complete_transfers(False, False)
+            self.expect("complete_transfers", False, False)
             self.call("complete_transfers", False, False)
-            self.compare_step(self.oracle.step(), self.call("step"))
+            self.compare_step(self.expect("step"), self.call("step"))
             steps += 1
         for each in checks_of("drain"):
-            each.function(self.ctx, self.oracle.resource_usage(), steps)
+            each.function(self.ctx, self.expect("resource_usage"), steps)
         self.judge("adapter.resource_usage()", "drain", self.call("resource_usage"), steps)
 
 

@@ -35,6 +35,8 @@ class RunResult:
     seconds: float
     scheduling: Scheduling = "both"
     steps: int = 0
+    adapter_seconds: float = 0.0
+    reference_seconds: float = 0.0
     coverage: dict[str, int] = field(default_factory=dict)
     failed_clause: str | None = None
     message: str | None = None
@@ -97,6 +99,7 @@ def run(
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
     result.steps = session.steps
+    result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
     return result
 
 
