@@ -10,8 +10,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +40,9 @@ RETURNS: dict[str, type] = {
 }
 """What each contract method returns; the others return nothing the harness reads."""
 
+STATE_CHANGING = frozenset({"start", "add_request", "step", "complete_transfers", "abort", "preempt", "reset_prefix_cache"})
+"""The contract methods that change the engine: a counterexample is a program of these calls."""
+
 
 class AdapterHung(BaseException):
     """A call did not return in time: its outcome is unknown (CONF-CALL-2).
@@ -57,24 +59,32 @@ class AdapterHung(BaseException):
 
 
 class AdapterCaller:
-    """Calls one adapter, recording every call so a hang can be reported with the calls that led to it."""
+    """Calls one adapter, recording every call: a failure is reported with the calls that led to it."""
 
     def __init__(self, timeout: float | None) -> None:
         self.adapter: KVConnectorAdapter | None = None
         self.timeout = timeout
         self.config: EngineConfig | None = None
         self.trace: list[str] = []
+        self.program: list[str] = []
+        self.last_observation: str | None = None
         self.hung = False
         self.seconds = 0.0
 
     def build(self, factory: Callable[[], KVConnectorAdapter]) -> KVConnectorAdapter:
         """Build the adapter under the same timeout and failure rules as any call (CONF-CALL-1, CONF-CALL-2)."""
-        self.adapter = self._invoke("adapter factory()", factory)
+        self.last_observation = "adapter = factory()"
+        self.adapter = self._invoke(self.last_observation, factory)
         return self.adapter
 
     def __call__(self, operation: str, *args: Any) -> Any:
         """Return the adapter's validated answer to `operation(*args)` (CONF-CALL-1, CONF-CALL-2, CONF-OBS-1)."""
         call = f"adapter.{operation}({', '.join(map(repr, args))})"
+        if operation in STATE_CHANGING:
+            self.program.append(call)
+            self.last_observation = None
+        else:
+            self.last_observation = call
         value = self._invoke(call, lambda: getattr(self.adapter, operation)(*args))
         if operation == "start":
             self.config = args[0]
@@ -94,6 +104,10 @@ class AdapterCaller:
                                   adapter_traceback="".join(traceback.format_exception(error))) from error
         finally:
             self.seconds += time.perf_counter() - started
+
+    def counterexample(self) -> str:
+        """Return the state-changing calls made so far, then the last call if it only observed: a replayable program."""
+        return "\n".join([*self.program, *filter(None, [self.last_observation])])
 
     def validated(self, call: str, operation: str, value: Any) -> Any:
         """Return `value` if it is what the contract says `operation` returns, else fail CONF-OBS-1."""
@@ -119,16 +133,6 @@ class AdapterCaller:
         if kv.dim() != 2 or kv.shape[1] != width or kv.dtype != dtype:
             raise ClauseViolation("CONF-OBS-1", f"{call} returned a {kv.dtype} tensor of shape {tuple(kv.shape)}, "
                                                 f"expected {dtype} rows of width {width}")
-
-
-@contextmanager
-def judging(call: str) -> Iterator[None]:
-    """Name the adapter call whose answer a failing check judged (CONF-CALL-1: failures name the call)."""
-    try:
-        yield
-    except ClauseViolation as violation:
-        violation.detail = f"{call}: {violation.detail}"
-        raise
 
 
 def _short(value: object, limit: int = 300) -> str:

@@ -17,7 +17,7 @@ import torch
 from kvconform.adapters.contract import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreSnapshot
 from kvconform.reference import kv_content
 from kvconform.reference.engine import Engine
-from kvconform.reference.request import RequestStatus
+from kvconform.reference.request import Request, RequestStatus
 
 Kind = Literal["step", "store", "data", "drain"]
 
@@ -68,6 +68,7 @@ class Context:
     oracle: Engine
     previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
     exercised: dict[str, int] = field(default_factory=dict)
+    kv_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def identity(self, ref: BlockRef) -> bytes:
         """Return the block hash that a `BlockRef` stands for (CONF-OBS-2)."""
@@ -82,6 +83,18 @@ class Context:
 
     def exercise(self, clause: str) -> None:
         self.exercised[clause] = self.exercised.get(clause, 0) + 1
+
+    def expected_kv(self, request: Request, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """Return the KV rows the content function gives a request's first `num_tokens` tokens (XFER-DATA-1).
+
+        A request's tokens only ever grow, so the rows of earlier steps are kept and extended.
+        """
+        rows = self.kv_rows.get(request.request_id, torch.empty(0, self.config.token_width, dtype=dtype))
+        if len(rows) < num_tokens:
+            states = request.token_states(num_tokens, self.oracle.runner_tokens(request))
+            rows = torch.cat([rows, kv_content.kv_values(states[len(rows):], self.config.token_width, dtype)])
+            self.kv_rows[request.request_id] = rows
+        return rows[:num_tokens]
 
 
 def _differ(clause: str, what: str, ref: object, sut: object) -> None:
@@ -287,8 +300,7 @@ def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> Non
     if request.status is not RequestStatus.RUNNING:
         return
     ctx.exercise("XFER-DATA-1")
-    expected = kv_content.kv_values(request.token_states(request.num_computed_tokens, ctx.oracle.runner_tokens(request)),
-                                    ctx.config.token_width, kv.dtype)
+    expected = ctx.expected_kv(request, request.num_computed_tokens, kv.dtype)
     if kv.shape != expected.shape:
         raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV of shape {tuple(kv.shape)}, "
                                              f"expected {tuple(expected.shape)}")

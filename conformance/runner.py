@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ class RunResult:
     @property
     def counterexample_requests(self) -> int:
         """Return how many requests the shrunk counterexample adds."""
-        return (self.counterexample or "").count("state.add_request(RequestSpec(")
+        return (self.counterexample or "").count("adapter.add_request(")
 
 
 def run(
@@ -70,18 +69,17 @@ def run(
     machine = machine_for(session)
     if seed is not None:
         machine._hypothesis_internal_use_seed = seed
-    output = io.StringIO()
     started = time.perf_counter()
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
                        coverage=session.coverage)
     try:
-        with reporting.with_reporter(lambda text: output.write(f"{text}\n")):
+        with reporting.with_reporter(lambda text: None):  # the counterexample is the adapter's call program
             run_state_machine_as_test(machine, settings=profile_settings(profile, seed is not None))
     except ClauseViolation as violation:
         result.passed = False
         result.failed_clause = violation.clause
         result.message = violation.detail
-        result.counterexample = _steps([*getattr(violation, "__notes__", []), output.getvalue()])
+        result.counterexample = session.last_caller.counterexample()
         result.adapter_traceback = violation.adapter_traceback
     except AdapterHung as hang:  # not shrunk: the unshrunk calls that led to the hang are the evidence
         result.passed = False
@@ -101,9 +99,3 @@ def run(
     result.steps = session.steps
     result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
     return result
-
-
-def _steps(reports: list[str]) -> str:
-    """Keep the replayable program from Hypothesis's report: the `state...` lines, one per call."""
-    lines = [line.strip() for text in reports for line in text.splitlines()]
-    return "\n".join(line for line in lines if line.startswith("state") and "data=data(" not in line)

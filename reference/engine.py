@@ -209,8 +209,7 @@ class Engine:
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int]) -> int:
         """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1)."""
-        loaded = [request for request in self.waiting if request.request_id in self.loads_done]
-        self.waiting = loaded + [request for request in self.waiting if request not in loaded]  # SCHED-ORDER-1
+        self.waiting.sort(key=lambda request: not self.kv.blocks_of(request.request_id))  # SCHED-ORDER-1: holders first
         for request in list(self.waiting):
             if budget == 0:
                 break
