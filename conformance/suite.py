@@ -36,7 +36,7 @@ def test_vector(kv_run_options: options.RunOptions, name: str) -> None:
         pytest.skip(f"{name} uses {'async' if vector.config.async_scheduling else 'sync'} scheduling, which this run "
                     f"does not draw (--kv-scheduling {kv_run_options.scheduling} and the adapter's capabilities)")
     if vector.config.block_size_factor not in capabilities.block_size_factors:
-        pytest.skip(f"{name} uses block_size_factor {vector.config.block_size_factor}, not in the adapter's capabilities")
+        pytest.skip(f"{name} uses block_size_factor {vector.config.block_size_factor}, not declared by the adapter")
     try:
         vectors.replay(vector, kv_run_options.factory())
     except ClauseViolation as violation:

@@ -32,7 +32,7 @@ def test_reference_passes_and_writes_both_reports(pytester: pytest.Pytester, tmp
 
 
 def test_seed_mutant_fails_naming_its_clause(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    """The seed bug (vLLM #44585) fails the state machine and the sync seed vectors with OFF-READ-1; the report says so."""
+    """The seed bug (vLLM #44585) fails the state machine and the sync vectors with OFF-READ-1; so does the report."""
     report = tmp_path / "run.json"
     result = pytester.runpytest(f"--kv-adapter={MUTANT}", "--kv-scheduling=sync", f"--kv-report={report}")
     result.assert_outcomes(failed=1 + len(vectors("sync")), skipped=len(vectors("async")))
