@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -11,7 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvconform.conformance import options
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
+from kvconform.conformance.profiles import PROFILES
 
 EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -29,92 +30,44 @@ def main() -> None:
 @click.option("--seed", type=int, default=None, help="Random seed (turns off the ci profile's derandomisation)")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the JSON report here")
-@click.option("--call-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_CALL_TIMEOUT,
-              show_default=True, help="Seconds one adapter call may take before its outcome is reported unknown")
+@click.option("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT, show_default=True,
+              help="Seconds one adapter call may take before its outcome is reported unknown")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a JUnit XML report here, one test case per clause")
 @click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="File of 'CLAUSE-ID: reason' lines: reported, not fatal; stale entries fail")
 @click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
-@click.option("--scheduling", type=click.Choice(["sync", "async", "both"]), default="both", show_default=True,
+@click.option("--scheduling", type=click.Choice(options.SCHEDULINGS), default="both", show_default=True,
               help="Scheduling modes to draw engine configurations from")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
-    from kvconform.conformance import baseline, report, runner
-    from kvconform.conformance.profiles import PROFILES
-
     console = Console(stderr=True)
-    if profile not in PROFILES:
-        _usage_error(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    for path in (report_path, junit_path):
-        if path is not None:
-            _check_writable(path)
-    known = baseline.Baseline()
-    if known_failures_path is not None:
-        try:
-            known = baseline.load(known_failures_path)
-        except baseline.BaselineError as error:
-            _usage_error(str(error))
-    factory, capabilities, version = _probe(adapter_spec, call_timeout)
-    if scheduling == "async" and not capabilities.async_scheduling:
-        _usage_error(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
-    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {version}, profile {profile}, seed {seed}, "
-                  f"scheduling {scheduling}")
-    examples = PROFILES[profile]["max_examples"]
+    try:
+        run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
+                              call_timeout=call_timeout, known_failures_path=known_failures_path,
+                              report_path=report_path, junit_path=junit_path, certify=certify)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
+                  f"seed {seed}, scheduling {scheduling}")
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
-            task = progress.add_task("examples", total=examples)
-            result = runner.run(factory, adapter_spec, profile, seed,
-                                on_example=lambda: progress.advance(task), call_timeout=call_timeout,
-                                baseline=known, scheduling=scheduling)
+            task = progress.add_task("examples", total=PROFILES[profile]["max_examples"])
+            run_report = options.run(run, on_example=lambda: progress.advance(task))
     except KeyboardInterrupt:
         click.echo("kvconform: interrupted; no report written", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    run_report = report.build(result, version, capabilities, known.entries)
     _print_table(Console(), run_report)
-    for path, text in ((report_path, run_report.model_dump_json(indent=2)), (junit_path, report.junit_xml(run_report))):
-        if path is not None:
-            try:
-                report.write_atomically(path, text)
-            except OSError as error:
-                _usage_error(f"cannot write the report to {path}: {error.strerror or error}")
-    gaps = report.certification_gaps(run_report) if certify else []
+    try:
+        options.write_reports(run, run_report)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    gaps = options.certification_gaps(run, run_report)
     for gap in gaps:
         click.echo(f"kvconform: not certified: {gap}", err=True)
-    sys.exit(EXIT_CONFORMANT if result.passed and not gaps else EXIT_NONCONFORMANT)
-
-
-def _check_writable(path: Path) -> None:
-    """Exit 2 before a long run whose report could not be written."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        _usage_error(f"cannot write the report to {path}: {error.strerror or error}")
-    if not os.access(path.parent, os.W_OK):
-        _usage_error(f"cannot write the report to {path}: directory {path.parent} is not writable")
-
-
-def _probe(adapter_spec: str, call_timeout: float):
-    """Return the adapter's factory, capabilities and version, or exit 2 when it cannot even be asked."""
-    from kvconform.adapters.registry import AdapterNotFound, resolve
-    from kvconform.conformance.calls import AdapterCaller, AdapterHung
-    from kvconform.conformance.checks import ClauseViolation
-
-    caller = AdapterCaller(call_timeout)
-    try:
-        factory = resolve(adapter_spec)
-        caller.build(factory)
-        capabilities, version = caller("capabilities"), caller("implementation_version")
-        caller("close")
-    except AdapterNotFound as error:
-        _usage_error(str(error))
-    except (ClauseViolation, AdapterHung) as error:
-        if isinstance(error.__cause__, AdapterNotFound):
-            _usage_error(str(error.__cause__))
-        _usage_error(f"adapter {adapter_spec!r} cannot be used: {error.detail}")
-    return factory, capabilities, version
+    sys.exit(EXIT_CONFORMANT if run_report.passed and not gaps else EXIT_NONCONFORMANT)
 
 
 def _print_table(console: Console, run_report) -> None:
