@@ -209,7 +209,7 @@ class Engine:
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int]) -> int:
         """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1)."""
-        self.waiting.sort(key=lambda request: not self.kv.blocks_of(request.request_id))  # SCHED-ORDER-1: holders first
+        self.order_waiting()
         for request in list(self.waiting):
             if budget == 0:
                 break
@@ -229,7 +229,8 @@ class Engine:
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external, delay_caching=load_async)
+            num_reserved = request.num_tokens - num_computed if load_async else 0  # SCHED-ALLOC-2
+            new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external, load_async, num_reserved)
             if new_blocks is None:
                 break
             allocated.update(new_blocks)
@@ -245,6 +246,10 @@ class Engine:
             scheduled[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def order_waiting(self) -> None:
+        """Put the waiting requests that hold GPU blocks (admitted with a load) first, in queue order (SCHED-ORDER-1)."""
+        self.waiting.sort(key=lambda request: not self.kv.blocks_of(request.request_id))
 
     def _finish_load(self, request: Request, success: bool) -> None:
         """Make a finished load's tokens computed, or fall back to the local hit (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""

@@ -125,15 +125,17 @@ class KVCacheManager:
         computed_blocks: list[int],
         num_external_tokens: int,
         delay_caching: bool,
+        num_reserved_tokens: int = 0,
     ) -> list[int] | None:
-        """Give a request blocks for its new tokens; None when the pool is short (SCHED-ALLOC-1)."""
-        if num_new_tokens < 0 or num_external_tokens < 0:
-            raise InvalidCall("SCHED-ALLOC-1", f"negative token counts {num_new_tokens}, {num_external_tokens}")
+        """Give a request blocks for its new and reserved tokens; None when the pool is short (SCHED-ALLOC-1, SCHED-ALLOC-2)."""
+        if min(num_new_tokens, num_external_tokens, num_reserved_tokens) < 0:
+            raise InvalidCall("SCHED-ALLOC-1", f"negative token counts {num_new_tokens}, {num_external_tokens}, "
+                                               f"{num_reserved_tokens}")
         computed_blocks = self.pool.valid_ids(computed_blocks)
         owned = self.req_blocks.setdefault(request.request_id, [])
         num_local = len(computed_blocks) * self.block_size
         total_tokens = request.num_computed_tokens + num_local + num_external_tokens + num_new_tokens
-        needed = -(-total_tokens // self.block_size) - len(owned) - len(computed_blocks)
+        needed = -(-(total_tokens + num_reserved_tokens) // self.block_size) - len(owned) - len(computed_blocks)
         reusable = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
         if needed > self.pool.num_free_blocks - reusable:
             return None

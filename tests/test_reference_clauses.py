@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from kvconform.adapters.contract import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation
 from kvconform.conformance import runner
 from kvconform.conformance.checks import ClauseViolation, Context
-from kvconform.conformance.machine import ConnectorStateMachine, engine_configs
+from kvconform.conformance.execution import Execution, Session
+from kvconform.conformance.machine import engine_configs
 from kvconform.reference import kv_content
 from kvconform.reference.connector import (
     ConnectorMetadata,
@@ -575,6 +576,45 @@ def test_loaded_request_considered_before_preempted(engine):
     assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
 
 
+def test_block_holders_first_in_every_step(engine):
+    """SCHED-ORDER-1: a loaded request that could not fit stays ahead of a preempted one in later steps too."""
+    e = engine(num_gpu_blocks=12, block_size_factor=2, num_offload_blocks=2, eviction_policy="arc",
+               max_num_batched_tokens=16)
+    prompt = (0, 2) * 6 + (0,) * 8
+    e.add_request(RequestSpec(request_id="r0", prompt=prompt))
+    for _ in range(2):
+        e.complete_transfers(False, False)
+        e.step()
+    assert e.reset_prefix_cache()
+    e.add_request(RequestSpec(request_id="r1", prompt=prompt))
+    e.add_request(RequestSpec(request_id="r2", prompt=prompt))
+    e.add_request(RequestSpec(request_id="r3", prompt=prompt + (0,) * 6, max_tokens=4, skip_reading_prefix_cache=True))
+    for _ in range(30):
+        e.complete_transfers(False, False)
+        e.step()
+    assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
+
+
+def test_load_admission_reserves_whole_prompt(engine):
+    """SCHED-ALLOC-2: a request admitted with a load holds blocks for its whole prompt, so two loads never deadlock."""
+    e = engine(num_gpu_blocks=16, block_size_factor=1, num_offload_blocks=12, max_num_batched_tokens=256)
+    e.add_request(RequestSpec(request_id="short", prompt=(0, 2) * 6, cache_salt="b"))
+    e.add_request(RequestSpec(request_id="head", prompt=(0, 2) * 2, cache_salt="a"))
+    for _ in range(4):
+        e.complete_transfers(False, False)
+        e.step()
+    assert e.reset_prefix_cache()
+    e.add_request(RequestSpec(request_id="long", prompt=(0, 2) * 20 + (0, 1, 2, 3, 3, 1, 0, 0, 0), cache_salt="a"))
+    e.add_request(RequestSpec(request_id="again", prompt=(0, 2) * 6, cache_salt="b"))
+    assert e.step().trace.loads == [("long", [0], 0, 1)]
+    assert len(e.kv.blocks_of("long")) == 13, "the load's request holds blocks for all 49 prompt tokens"
+    assert e.kv.blocks_of("again") == [], "the other load does not fit beside it and waits"
+    for _ in range(20):
+        e.complete_transfers(False, False)
+        e.step()
+    assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
+
+
 def test_allocate_slots_none_when_short():
     """SCHED-ALLOC-1: allocate_slots returns None and allocates nothing when the pool is short."""
     kv = KVCacheManager(3, 4)
@@ -700,10 +740,10 @@ def test_blockref_identity(engine):
 
 def test_adapter_exception_is_call_failure():
     """CONF-CALL-1: an exception raised by the adapter is reported as CONF-CALL-1 naming the call."""
-    machine = ConnectorStateMachine()
-    machine.caller.adapter = object()
+    execution = Execution(Session())
+    execution.caller.adapter = object()
     with pytest.raises(ClauseViolation, match=r"CONF-CALL-1.*adapter\.step"):
-        machine.call("step")
+        execution.call("step")
 
 
 @settings(max_examples=30, deadline=None)
