@@ -2,8 +2,9 @@
 an absolute rule, and names the clause it enforces (spec chapter `conformance`).
 
 A check raises `ClauseViolation`. Checks run in the order they are registered: absolute rules first,
-then specific differential comparisons, then the generic ones, so a failure names the most specific
-clause that explains it.
+then differential comparisons — the connector's answers to the requests both engines asked, then the
+schedule, then what follows from the schedule (loads, store offers and writes, evictions, finishes) —
+so a failure names the clause of its cause rather than of a consequence.
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ def _differ(clause: str, what: str, ref: object, sut: object) -> None:
         raise ClauseViolation(clause, f"{what}: reference {ref!r}, adapter {sut!r}")
 
 
+def _asked_by_both(ref: StepObservation, sut: StepObservation) -> set[str]:
+    return {a.request_id for a in ref.match_answers} & {a.request_id for a in sut.match_answers}
+
+
 def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
     grouped: dict[str, list[tuple[int, ...]]] = {}
     for job in jobs:
@@ -110,6 +115,19 @@ def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
 
 
 # --- absolute rules on the adapter's own observation ------------------------------------------
+
+
+@check("CONN-MATCH-2", "CONN-MATCH-3")
+def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A 0-token answer is synchronous; local plus external hit never exceeds the request's tokens."""
+    for answer in sut.match_answers:
+        ctx.exercise("CONN-MATCH-2")
+        if answer.external_tokens == 0 and answer.load_async:
+            raise ClauseViolation("CONN-MATCH-2", f"{answer!r}: a 0-token answer must have load_async=False")
+        total = ctx.oracle.requests[answer.request_id].num_tokens
+        ctx.exercise("CONN-MATCH-3")
+        if answer.external_tokens is not None and answer.local_hit_tokens + answer.external_tokens > total:
+            raise ClauseViolation("CONN-MATCH-3", f"{answer!r} exceeds the request's {total} tokens")
 
 
 @check("OFF-READ-1", "OFF-READ-2")
@@ -128,19 +146,6 @@ def check_skip_read(ctx: Context, ref: StepObservation, sut: StepObservation) ->
     for load in sut.loads:
         if load.request_id in skipping:
             raise ClauseViolation("OFF-READ-2", f"skip-read request got a load {load!r}")
-
-
-@check("CONN-MATCH-2", "CONN-MATCH-3")
-def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """A 0-token answer is synchronous; local plus external hit never exceeds the request's tokens."""
-    for answer in sut.match_answers:
-        ctx.exercise("CONN-MATCH-2")
-        if answer.external_tokens == 0 and answer.load_async:
-            raise ClauseViolation("CONN-MATCH-2", f"{answer!r}: a 0-token answer must have load_async=False")
-        total = ctx.oracle.requests[answer.request_id].num_tokens
-        ctx.exercise("CONN-MATCH-3")
-        if answer.external_tokens is not None and answer.local_hit_tokens + answer.external_tokens > total:
-            raise ClauseViolation("CONN-MATCH-3", f"{answer!r} exceeds the request's {total} tokens")
 
 
 @check("PFX-HIT-3")
@@ -162,6 +167,19 @@ def check_no_redundant_load(ctx: Context, ref: StepObservation, sut: StepObserva
         hit_blocks = local.get(load.request_id, 0) // ctx.config.block_size
         if load.first_gpu_block < hit_blocks:
             raise ClauseViolation("CONN-LOAD-2", f"{load!r} reloads GPU blocks below the local hit of {hit_blocks} blocks")
+
+
+@check("OFF-KEY-2")
+def check_loads_read_own_blocks(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A load reads only blocks the store held readable under the loading request's own identity (tenant included)."""
+    held = ctx.identities(ctx.previous_store.ready)
+    for load in sut.loads:
+        ctx.exercise("OFF-KEY-2")
+        foreign = [i for i in load.offload_indices
+                   if ctx.identity(BlockRef(request_id=load.request_id, index=i)) not in held]
+        if foreign:
+            raise ClauseViolation("OFF-KEY-2", f"{load!r} reads offloaded blocks {foreign}, which the store did not hold "
+                                               "for this request's prefix and tenant (cache_salt, LoRA)")
 
 
 @check("XFER-SAFE-1")
@@ -198,7 +216,44 @@ def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObser
             raise ClauseViolation("OFF-STORE-2", f"{store!r} writes blocks {extra} that were never offered")
 
 
-# --- differential comparisons, most specific first --------------------------------------------
+# --- differential comparisons: the connector's answers, the schedule, then what follows from it ----
+
+
+@check("CONN-MATCH-1")
+def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """get_num_new_matched_tokens gives the reference's answers (local hit, external tokens, async flag).
+
+    Only requests both engines asked are compared: which requests are asked is the scheduler's choice (SCHED-STEP-2).
+    """
+    asked = _asked_by_both(ref, sut)
+    if asked:
+        ctx.exercise("CONN-MATCH-1")
+    _differ("CONN-MATCH-1", "matched-token answers", sorted((a for a in ref.match_answers if a.request_id in asked), key=repr),
+            sorted((a for a in sut.match_answers if a.request_id in asked), key=repr))
+
+
+@check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
+def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The store is looked up from the first block past the local hit, in order, up to the first miss."""
+    for request_id in sorted((set(ref.lookups) | set(sut.lookups)) & _asked_by_both(ref, sut)):
+        expected, actual = ref.lookups.get(request_id, ()), sut.lookups.get(request_id, ())
+        ctx.exercise("OFF-LOOKUP-1")
+        ctx.exercise("OFF-LOOKUP-2")
+        if expected and actual[: len(expected)] == expected and len(actual) > len(expected):
+            raise ClauseViolation("OFF-LOOKUP-2", f"request {request_id!r}: lookups went on past the first miss at "
+                                                  f"block {expected[-1]}: looked up {actual}")
+        _differ("OFF-LOOKUP-1", f"offloaded blocks looked up for {request_id!r}", expected, actual)
+
+
+@check("SCHED-STEP-2")
+def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The reference's waiting requests are asked for matches, each request is scheduled the reference's number
+    of tokens, and each ends the step with the reference's computed count."""
+    ctx.exercise("SCHED-STEP-2")
+    _differ("SCHED-STEP-2", "requests asked for matched tokens", sorted(a.request_id for a in ref.match_answers),
+            sorted(a.request_id for a in sut.match_answers))
+    _differ("SCHED-STEP-2", "scheduled tokens", ref.scheduled_tokens, sut.scheduled_tokens)
+    _differ("SCHED-STEP-2", "computed tokens after the step", ref.computed_tokens, sut.computed_tokens)
 
 
 @check("OFF-READ-3")
@@ -210,27 +265,6 @@ def check_skip_read_still_stores(ctx: Context, ref: StepObservation, sut: StepOb
     if ref_offers:
         ctx.exercise("OFF-READ-3")
     _differ("OFF-READ-3", "blocks of skip-read requests offered to the store", ref_offers, sut_offers)
-
-
-@check("CONN-MATCH-1")
-def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """get_num_new_matched_tokens gives the reference's answers (local hit, external tokens, async flag)."""
-    if ref.match_answers:
-        ctx.exercise("CONN-MATCH-1")
-    _differ("CONN-MATCH-1", "matched-token answers", sorted(ref.match_answers, key=repr), sorted(sut.match_answers, key=repr))
-
-
-@check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
-def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """The store is looked up from the first block past the local hit, in order, up to the first miss."""
-    for request_id in sorted(set(ref.lookups) | set(sut.lookups)):
-        expected, actual = ref.lookups.get(request_id, ()), sut.lookups.get(request_id, ())
-        ctx.exercise("OFF-LOOKUP-1")
-        ctx.exercise("OFF-LOOKUP-2")
-        if expected and actual[: len(expected)] == expected and len(actual) > len(expected):
-            raise ClauseViolation("OFF-LOOKUP-2", f"request {request_id!r}: lookups went on past the first miss at "
-                                                  f"block {expected[-1]}: looked up {actual}")
-        _differ("OFF-LOOKUP-1", f"offloaded blocks looked up for {request_id!r}", expected, actual)
 
 
 @check("XFER-LOAD-2")
@@ -266,20 +300,20 @@ def check_evictions(ctx: Context, ref: StepObservation, sut: StepObservation) ->
     _differ(clause, "evicted blocks", ctx.identities(ref.evicted), ctx.identities(sut.evicted))
 
 
-@check("SCHED-STEP-2")
-def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """Each request is scheduled the reference's number of tokens and ends the step with its computed count."""
-    ctx.exercise("SCHED-STEP-2")
-    _differ("SCHED-STEP-2", "scheduled tokens", ref.scheduled_tokens, sut.scheduled_tokens)
-    _differ("SCHED-STEP-2", "computed tokens after the step", ref.computed_tokens, sut.computed_tokens)
-
-
 @check("LIFE-FIN-1")
 def check_finished(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Requests finish in the step the reference finishes them."""
     if ref.finished:
         ctx.exercise("LIFE-FIN-1")
     _differ("LIFE-FIN-1", "finished requests", sorted(ref.finished), sorted(sut.finished))
+
+
+@check("LIFE-FREE-1")
+def check_freed(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Finished requests' GPU blocks are released in the step the reference releases them, and not before."""
+    if ref.freed:
+        ctx.exercise("LIFE-FREE-1")
+    _differ("LIFE-FREE-1", "requests whose GPU blocks were released", sorted(ref.freed), sorted(sut.freed))
 
 
 # --- store contents and data -------------------------------------------------------------------
