@@ -83,7 +83,7 @@ class AdapterCaller:
         if operation in STATE_CHANGING:
             self.program.append(call)
             self.last_observation = None
-        else:
+        elif operation != "close":  # teardown's close comes after the failure, not before it
             self.last_observation = call
         value = self._invoke(call, lambda: getattr(self.adapter, operation)(*args))
         if operation == "start":

@@ -1,51 +1,23 @@
-"""The conformance state machine: drives an adapter and the reference side by side (chapter `conformance`).
+"""The conformance state machine: draws programs of engine operations (chapter `conformance`).
 
-Rules are named after the adapter operation they perform, so a shrunk failure reads as a call trace.
-After every engine step the observations of both are compared by the registered checks (`checks.py`).
+Rules are named after the adapter operation they perform. Each rule draws its arguments and hands the
+calls to an `Execution`, which runs them on the adapter and the reference and judges every answer; the
+calls run so far are the example's program, which the shrinker edits when it fails.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
-
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvconform.adapters.contract import Capabilities, EngineConfig, KVConnectorAdapter, RequestSpec, StepObservation
-from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.conformance.baseline import Baseline
-from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller
-from kvconform.conformance.checks import ClauseViolation, Context, checks_of
+from kvconform.adapters.contract import Capabilities, EngineConfig, RequestSpec
+from kvconform.conformance.execution import Call, Execution, Scheduling, Session
 
-BASE_PROMPTS = tuple(tuple((seed * 5 + i * (seed + 2)) % 4 for i in range(32)) for seed in range(3))
+BASE_PROMPTS = tuple(tuple((seed * 5 + i * (seed + 2)) % 4 for i in range(48)) for seed in range(3))
 """Shared prompt prefixes: requests draw prefixes of these so that prefix and offload hits really happen."""
 
 MAX_LIVE_REQUESTS = 5
-MAX_PROMPT_TOKENS = 40
-DRAIN_STEP_LIMIT = 64
-
-
-Scheduling = Literal["sync", "async", "both"]
-"""Which scheduling modes a run draws: sync only, async only, or both."""
-
-
-@dataclass
-class Session:
-    """What the examples of one run share: the options they run under, and the coverage and step count they add up."""
-
-    adapter_factory: Callable[[], KVConnectorAdapter] = ReferenceAdapter
-    call_timeout: float | None = DEFAULT_CALL_TIMEOUT
-    scheduling: Scheduling = "both"
-    baseline: Baseline = field(default_factory=Baseline)
-    on_example: Callable[[], None] | None = None
-    coverage: dict[str, int] = field(default_factory=dict)
-    steps: int = 0
-    adapter_seconds: float = 0.0
-    reference_seconds: float = 0.0
-    last_caller: AdapterCaller | None = None
+MAX_PROMPT_TOKENS = 56
 
 
 def scheduling_modes(capabilities: Capabilities, scheduling: Scheduling) -> list[bool]:
@@ -59,19 +31,27 @@ def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Sche
     """Draw an engine configuration within what the adapter claims (CONF-CAP-1)."""
     return EngineConfig(
         block_size=4,
-        num_gpu_blocks=draw(st.sampled_from((12, 16, 24, 64)), label="num_gpu_blocks"),
+        num_gpu_blocks=draw(GPU_POOLS, label="num_gpu_blocks"),
         block_size_factor=draw(st.sampled_from(sorted(capabilities.block_size_factors)), label="factor"),
-        num_offload_blocks=draw(st.integers(1, 12), label="num_offload_blocks"),
+        num_offload_blocks=draw(STORE_SIZES, label="num_offload_blocks"),
         eviction_policy=draw(st.sampled_from(sorted(capabilities.eviction_policies)), label="policy"),
         async_scheduling=draw(st.sampled_from(scheduling_modes(capabilities, scheduling)), label="async"),
         max_num_batched_tokens=draw(st.sampled_from((16, 256)), label="token_budget"),
     )
 
 
+GPU_POOLS = st.sampled_from((16, 16, 20, 32, 64))
+"""GPU blocks, the null block included. 16 holds one request of MAX_PROMPT_TOKENS plus its outputs, so pools are
+mostly tight: the prefix cache forgets, requests preempt each other and freed blocks are reused soon."""
+
+STORE_SIZES = st.integers(1, 6) | st.integers(16, 32)
+"""Offloaded blocks the store holds: small stores evict all the time; large ones, as CPU memory is, outlive the
+GPU prefix cache, so a request finds its prefix's head on the GPU and its tail in the store."""
+
 SOMETIMES = st.integers(0, 3).map(lambda n: n == 3)
 """True about one time in four; shrinks to False."""
 
-STEP_COUNTS = st.integers(1, 16)
+STEP_COUNTS = st.integers(1, 8)
 """Engine steps one `step` rule runs: several per rule keep the harness's cost per step low."""
 
 TENANTS = st.sampled_from(
@@ -79,29 +59,41 @@ TENANTS = st.sampled_from(
 """(cache_salt, lora_name) pairs; requests of different tenants must never share cached KV (PFX-HASH-2, OFF-KEY-2)."""
 
 BASES = st.sampled_from(BASE_PROMPTS)
-PREFIX_LENGTHS = st.sampled_from((4, 8, 12, 16, 24, 32)) | st.integers(1, len(BASE_PROMPTS[0]))
+PREFIX_LENGTHS = st.sampled_from((4, 8, 12, 16, 24, 32, 48)) | st.integers(1, len(BASE_PROMPTS[0]))
 """Often block-aligned for every block_size_factor, so that whole offloaded blocks repeat."""
 
 SUFFIX_LENGTHS = st.integers(1, 8)
+BURSTS = st.integers(1, 3)
 MAX_TOKENS = st.integers(1, 4)
 
 
 @st.composite
-def request_specs(draw: st.DrawFn, request_id: str, earlier: tuple[RequestSpec, ...] = ()) -> RequestSpec:
-    """Draw a request that shares prefixes with earlier ones, so that prefix-cache and store hits really happen.
+def new_requests(draw: st.DrawFn, request_id: str) -> RequestSpec:
+    """Draw a request with a new prompt: a prefix of a shared base prompt, often block-aligned, maybe with a suffix.
 
-    Most of the time an earlier request's prompt comes again, whole or extended, usually for the same tenant;
-    otherwise a prefix of a shared base prompt, often block-aligned, whole or with a private suffix. Strategies
-    are built once at import: building one per draw costs more than the engine step it feeds.
+    Strategies are built once at import: building one per draw costs more than the engine step it feeds.
     """
-    if earlier and not draw(SOMETIMES, label="fresh"):
-        before = earlier[draw(st.integers(0, len(earlier) - 1), label="earlier_request")]
-        prefix = before.prompt
-        tenant = draw(TENANTS, label="tenant") if draw(SOMETIMES, label="other_tenant") else (
-            before.cache_salt, before.lora_name)
-    else:
-        prefix = draw(BASES, label="base")[: draw(PREFIX_LENGTHS, label="prefix_length")]
-        tenant = draw(TENANTS, label="tenant")
+    prefix = draw(BASES, label="base")[: draw(PREFIX_LENGTHS, label="prefix_length")]
+    return _request(draw, request_id, prefix, draw(TENANTS, label="tenant"))
+
+
+@st.composite
+def repeated_requests(draw: st.DrawFn, request_id: str, before: RequestSpec) -> RequestSpec:
+    """Draw a request that repeats an earlier one's prompt, whole, cut or extended, mostly for the same tenant.
+
+    Repeats are what make prefix-cache and store hits, loads from the middle of an offloaded block, and
+    cross-tenant lookups happen.
+    """
+    prefix = before.prompt
+    if draw(st.booleans(), label="cut"):
+        prefix = prefix[: draw(st.integers(1, len(prefix)), label="cut_length")]
+    tenant = draw(TENANTS, label="tenant") if draw(SOMETIMES, label="other_tenant") else (
+        before.cache_salt, before.lora_name)
+    return _request(draw, request_id, prefix, tenant)
+
+
+def _request(draw: st.DrawFn, request_id: str, prefix: tuple[int, ...], tenant: tuple[str | None, str | None]
+             ) -> RequestSpec:
     suffix = _suffix(draw) if draw(st.booleans(), label="extend") else ()
     return RequestSpec(
         request_id=request_id,
@@ -121,151 +113,99 @@ def _suffix(draw: st.DrawFn) -> tuple[int, ...]:
 
 
 class ConnectorStateMachine(RuleBasedStateMachine):
-    """Compares an adapter under test with the reference; subclass via `machine_for`.
-
-    Rules are named after the adapter operation they perform. The counterexample of a failure is the list of
-    state-changing adapter calls of the final, shrunk example (`AdapterCaller.program`), replayable as is.
-    """
+    """Draws programs for the adapter of `session`; subclass via `machine_for`."""
 
     session = Session()
 
     def __init__(self) -> None:
         super().__init__()
-        self.caller = AdapterCaller(self.session.call_timeout)
-        self.session.last_caller = self.caller
-        self.oracle: ReferenceAdapter | None = None
-        self.ctx: Context | None = None
-        self.capabilities = Capabilities()
-        self.next_id = 0
+        self.run = Execution(self.session)
+        self.session.last_execution = self.run
 
-    # --- helpers ---------------------------------------------------------------------------
-
-    def call(self, operation: str, *args: Any) -> Any:
-        """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`)."""
-        return self.caller(operation, *args)
-
-    def expect(self, operation: str, *args: Any) -> Any:
-        """Return the reference's answer to `operation(*args)`, timing it apart from the harness."""
-        started = time.perf_counter()
-        try:
-            return getattr(self.oracle, operation)(*args)
-        finally:
-            self.session.reference_seconds += time.perf_counter() - started
-
-    def unfinished(self) -> list[str]:
-        engine = self.oracle.engine
-        return sorted(request.request_id for request in (*engine.waiting, *engine.running))
-
-    def running(self) -> list[str]:
-        return sorted(request.request_id for request in self.oracle.engine.running)
-
-    def judge(self, call: str, kind: str, *args: Any) -> None:
-        """Run the checks of `kind` on the answer of `call`; known failures are recorded, not raised (CONF-RUN-2).
-
-        A failure names the call whose answer it judged (CONF-CALL-1).
-        """
-        for each in checks_of(kind):
-            try:
-                each.function(self.ctx, *args)
-            except ClauseViolation as violation:
-                violation.detail = f"{call}: {violation.detail}"
-                if not self.session.baseline.tolerates(violation):
-                    raise
-
-    def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
-        self.session.steps += 1
-        self.judge("adapter.step()", "step", expected, actual)
-        store = self.expect("store_contents")
-        self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
-        self.ctx.previous_store = store
-        if self.capabilities.reads_kv:
-            for request_id in self.running():
-                self.judge(f"adapter.computed_kv({request_id!r})", "data", request_id,
-                           self.call("computed_kv", request_id))
-
-    # --- rules -------------------------------------------------------------------------------
+    def apply(self, operation: str, *args) -> None:
+        self.run.apply(Call(operation, args))
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
         if self.session.on_example is not None:
             self.session.on_example()
-        self.caller.build(self.session.adapter_factory)
-        self.capabilities = self.call("capabilities")
-        config = data.draw(engine_configs(self.capabilities, self.session.scheduling), label="config")
-        self.oracle = ReferenceAdapter()
-        self.expect("start", config)
-        self.call("start", config)
-        self.ctx = Context(config, {}, self.oracle.engine, exercised=self.session.coverage)
+        capabilities = self.run.begin()
+        self.apply("start", data.draw(engine_configs(capabilities, self.session.scheduling), label="config"))
 
-    @precondition(lambda self: len(self.oracle.engine.waiting) + len(self.oracle.engine.running) < MAX_LIVE_REQUESTS)
+    @precondition(lambda self: len(self.run.unfinished()) < MAX_LIVE_REQUESTS)
     @rule(data=st.data())
     def add_request(self, data: st.DataObject) -> None:
-        spec = data.draw(request_specs(f"r{self.next_id}", tuple(self.ctx.requests.values())), label="request")
-        self.next_id += 1
-        self.ctx.requests[spec.request_id] = spec
-        self.expect("add_request", spec)
-        self.call("add_request", spec)
+        self.apply("add_request", data.draw(new_requests(f"r{len(self.run.ctx.requests)}"), label="request"))
 
+    @precondition(lambda self: self.run.ctx.requests and len(self.run.unfinished()) < MAX_LIVE_REQUESTS)
+    @rule(data=st.data(), count=BURSTS)
+    def repeat_request(self, data: st.DataObject, count: int) -> None:
+        """Add a burst of requests repeating one earlier prompt, as users sharing a system prompt do.
+
+        A rule of its own, so that half the requests are repeats. Within a burst one request may compute the
+        head of the prompt that the next one hits locally, loading the rest from the middle of an offloaded
+        block (XFER-LOAD-1).
+        """
+        earlier = list(self.run.ctx.requests.values())
+        before = earlier[data.draw(st.integers(0, len(earlier) - 1), label="earlier_request")]
+        for _ in range(min(count, MAX_LIVE_REQUESTS - len(self.run.unfinished()))):
+            request_id = f"r{len(self.run.ctx.requests)}"
+            self.apply("add_request", data.draw(repeated_requests(request_id, before), label="request"))
+
+    @precondition(lambda self: self.run.ctx.requests)
+    @rule(data=st.data(), count=BURSTS)
+    def revisit(self, data: st.DataObject, count: int) -> None:
+        """Drain, reset the prefix cache, then repeat an earlier prompt in a burst: now only the store remembers it.
+
+        This is vLLM's own regression scenario for the seed rule (OFF-READ-1); and when one request of the burst
+        computes the prompt's head, the next loads the rest from the middle of an offloaded block (XFER-LOAD-1).
+        """
+        self.apply("drain")
+        self.apply("reset_prefix_cache", False)
+        self.repeat_request(data, count)
+
+    @precondition(lambda self: self.run.busy())
     @rule(count=STEP_COUNTS, transfers_done=st.booleans())
     def step(self, count: int, transfers_done: bool) -> None:
         """Step both engines `count` times; with `transfers_done`, every in-flight transfer succeeds before each step."""
         for _ in range(count):
             if transfers_done:
-                self.complete_transfers(False, False)
-            self.compare_step(self.expect("step"), self.call("step"))
+                self.apply("complete_transfers", False, False)
+            self.apply("step")
 
+    @precondition(lambda self: self.run.oracle.engine.in_flight_job_count())
     @rule(fail_loads=SOMETIMES, fail_stores=SOMETIMES)
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
-        fail_loads &= self.capabilities.transfer_failures
-        fail_stores &= self.capabilities.transfer_failures
-        self.expect("complete_transfers", fail_loads, fail_stores)
-        self.call("complete_transfers", fail_loads, fail_stores)
+        failures = self.run.capabilities.transfer_failures
+        self.apply("complete_transfers", fail_loads and failures, fail_stores and failures)
 
-    @precondition(lambda self: self.capabilities.abort and (self.oracle.engine.waiting or self.oracle.engine.running))
+    @precondition(lambda self: self.run.capabilities.abort and self.run.unfinished())
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        request_id = data.draw(st.sampled_from(self.unfinished()), label="request_id")
-        self.expect("abort", request_id)
-        self.call("abort", request_id)
+        self.apply("abort", data.draw(st.sampled_from(self.run.unfinished()), label="request_id"))
 
-    @precondition(lambda self: self.capabilities.preemption and self.oracle.engine.running)
+    @precondition(lambda self: self.run.capabilities.abort and self.run.loading())
+    @rule(data=st.data())
+    def abort_during_load(self, data: st.DataObject) -> None:
+        """Abort a request whose load is in flight: a rule of its own, as the window is short."""
+        self.apply("abort", data.draw(st.sampled_from(self.run.loading()), label="request_id"))
+
+    @precondition(lambda self: self.run.capabilities.preemption and self.run.running())
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
-        request_id = data.draw(st.sampled_from(self.running()), label="request_id")
-        self.expect("preempt", request_id)
-        self.call("preempt", request_id)
+        self.apply("preempt", data.draw(st.sampled_from(self.run.running()), label="request_id"))
 
     @rule(reset_connector=SOMETIMES)
     def reset_prefix_cache(self, reset_connector: bool) -> None:
-        reset_connector &= self.capabilities.reset_connector
-        expected = self.expect("reset_prefix_cache", reset_connector)
-        actual = self.call("reset_prefix_cache", reset_connector)
-        self.ctx.exercise("PFX-RESET-1")
-        if expected != actual:
-            raise ClauseViolation("PFX-RESET-1", f"reset_prefix_cache returned {actual!r}, reference {expected!r}")
+        self.apply("reset_prefix_cache", reset_connector and self.run.capabilities.reset_connector)
 
-    @rule(then_reset=st.booleans())
-    def drain(self, then_reset: bool) -> None:
-        """Complete every transfer and step until the reference is idle, then check for leaks and liveness.
-
-        With `then_reset` the idle engine's prefix cache is reset: only the store still holds the prompts seen.
-        """
-        steps = 0
-        while steps < DRAIN_STEP_LIMIT and (self.unfinished() or self.oracle.engine.in_flight_job_count()
-                                            or self.oracle.engine.in_flight is not None):
-            self.complete_transfers(False, False)
-            self.compare_step(self.expect("step"), self.call("step"))
-            steps += 1
-        for each in checks_of("drain"):
-            each.function(self.ctx, self.expect("resource_usage"), steps)
-        self.judge("adapter.resource_usage()", "drain", self.call("resource_usage"), steps)
-        if then_reset:
-            self.reset_prefix_cache(reset_connector=False)
+    @precondition(lambda self: self.run.busy())
+    @rule()
+    def drain(self) -> None:
+        self.apply("drain")
 
     def teardown(self) -> None:
-        if self.caller.adapter is not None and not self.caller.hung:
-            self.call("close")
-        self.session.adapter_seconds += self.caller.seconds
+        self.run.close()
 
 
 def machine_for(session: Session) -> type[ConnectorStateMachine]:

@@ -60,7 +60,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
         raise UsageProblem(f"the call timeout must be more than 0 seconds, not {call_timeout:g}")
     for path in (report_path, junit_path):
         if path is not None:
-            _check_writable(path)
+            check_writable(path)
     known: dict[str, str] = {}
     if known_failures_path is not None:
         try:
@@ -98,7 +98,7 @@ def certification_gaps(options: RunOptions, run_report: report.RunReport) -> lis
     return report.certification_gaps(run_report) if options.certify else []
 
 
-def _check_writable(path: Path) -> None:
+def check_writable(path: Path) -> None:
     """Raise UsageProblem before a long run whose report could not be written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,15 +8,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hypothesis import reporting
-from hypothesis.errors import HypothesisException
+from hypothesis.errors import FlakyFailure, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.machine import Scheduling, Session, machine_for
-from kvconform.conformance.profiles import profile_settings
+from kvconform.conformance.execution import Scheduling, Session, render
+from kvconform.conformance.machine import machine_for
+from kvconform.conformance.profiles import PROFILES, Profile, profile_settings
+from kvconform.conformance.shrinker import Replay, Shrinker
 
 
 Outcome = Literal["ok", "fail", "info"]
@@ -33,6 +35,7 @@ class RunResult:
     passed: bool
     seconds: float
     scheduling: Scheduling = "both"
+    found_after: float | None = None
     steps: int = 0
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
@@ -76,20 +79,23 @@ def run(
         with reporting.with_reporter(lambda text: None):  # the counterexample is the adapter's call program
             run_state_machine_as_test(machine, settings=profile_settings(profile, seed is not None))
     except ClauseViolation as violation:
-        result.passed = False
-        result.failed_clause = violation.clause
-        result.message = violation.detail
-        result.counterexample = session.last_caller.counterexample()
-        result.adapter_traceback = violation.adapter_traceback
+        result.found_after = time.perf_counter() - started
+        _failed(result, _shrunk(session, Replay(list(session.last_execution.program), violation), PROFILES[profile]),
+                session)
     except AdapterHung as hang:  # not shrunk: the unshrunk calls that led to the hang are the evidence
         result.passed = False
         result.failed_clause = hang.clause
         result.message = hang.detail
         result.counterexample = "\n".join(hang.trace)
     except HypothesisException as error:
-        result.passed = False
-        result.failed_clause = "CONF-RUN-1"
-        result.message = f"{type(error).__name__}: {error}"
+        violation = _not_replayed(error)
+        if violation is not None:
+            result.found_after = time.perf_counter() - started
+            _failed(result, Replay(list(session.last_execution.program), violation), session)
+        else:
+            result.passed = False
+            result.failed_clause = "CONF-RUN-1"
+            result.message = f"{type(error).__name__}: {error}"
     result.known_failures = dict(baseline.seen)
     if result.passed and baseline.stale():
         result.passed = False
@@ -99,3 +105,32 @@ def run(
     result.steps = session.steps
     result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
     return result
+
+
+def _failed(result: RunResult, failing: Replay, session: Session) -> None:
+    """Record a failure; before the engine started, the calls that failed stand for the program."""
+    result.passed = False
+    result.failed_clause = failing.violation.clause
+    result.message = failing.violation.detail
+    result.counterexample = render(failing.program) or "\n".join(session.last_execution.caller.trace)
+    result.adapter_traceback = failing.violation.adapter_traceback
+
+
+def _not_replayed(error: HypothesisException) -> ClauseViolation | None:
+    """Return the clause violation of an example Hypothesis could not make fail again, if that is what `error` is.
+
+    The same calls passed when replayed: the adapter under test is not deterministic (CONF-RUN-3).
+    """
+    if not isinstance(error, FlakyFailure):
+        return None
+    violation = next((e for e in error.exceptions if isinstance(e, ClauseViolation)), None)
+    if violation is not None:
+        violation.detail += " (it did not happen again when the same calls were replayed: the adapter is not deterministic)"
+    return violation
+
+
+def _shrunk(session: Session, failing: Replay, profile: Profile) -> Replay:
+    """Return the failing program shrunk within the profile's budget (CONF-RUN-3)."""
+    if not failing.program:
+        return failing
+    return Shrinker(session, session.last_execution.capabilities, profile.shrink_seconds).shrink(failing)

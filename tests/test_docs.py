@@ -88,4 +88,4 @@ def test_adapter_pages_are_in_the_nav(site: Path) -> None:
 
 def test_adapter_authors_page_shows_a_real_counterexample(site: Path) -> None:
     html = page(site, "adapter-authors")
-    assert "NOT conformant: OFF-READ-1" in html and "state.add_request(RequestSpec(" in html
+    assert "NOT conformant: OFF-READ-1" in html and "adapter.add_request(RequestSpec(" in html

@@ -37,7 +37,7 @@ def test_seed_mutant_fails_naming_its_clause(pytester: pytest.Pytester, tmp_path
     result = pytester.runpytest(f"--kv-adapter={MUTANT}", "--kv-scheduling=sync", f"--kv-report={report}")
     result.assert_outcomes(failed=1 + len(vectors("sync")), skipped=len(vectors("async")))
     result.stdout.fnmatch_lines(["[[]OFF-READ-1[]] adapter.step(): request * skips reading cached KV*",
-                                 "counterexample:", "state.start(EngineConfig(*"])
+                                 "counterexample:", "adapter.start(EngineConfig(*"])
     written = json.loads(report.read_text())
     assert (written["outcome"], written["failed_clause"]) == ("fail", "OFF-READ-1")
 
