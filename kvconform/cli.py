@@ -54,12 +54,12 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
-            task = progress.add_task("examples", total=PROFILES[profile]["max_examples"])
+            task = progress.add_task("examples", total=PROFILES[profile].max_examples)
             run_report = options.run(run, on_example=lambda: progress.advance(task))
     except KeyboardInterrupt:
         click.echo("kvconform: interrupted; no report written", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    _print_table(Console(), run_report)
+    _print_table(_stdout(), run_report)
     try:
         options.write_reports(run, run_report)
     except options.UsageProblem as problem:
@@ -93,9 +93,58 @@ def _print_table(console: Console, run_report) -> None:
         console.print(run_report.adapter_traceback, markup=False, highlight=False)
 
 
+def _stdout() -> Console:
+    """Return the console for results: as wide as the terminal, or wide enough for the tables when piped."""
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def _usage_error(message: str) -> None:
     click.echo(f"kvconform: error: {message}", err=True)
     sys.exit(EXIT_USAGE)
+
+
+@main.command("mutants")
+@click.option("--profile", type=click.Choice(sorted(PROFILES)), default="ci", show_default=True,
+              help="Profile to run the reference and each mutant under")
+@click.option("--seed", type=int, default=None, help="Random seed (turns off the ci profile's derandomisation)")
+@click.option("--only", default=None, help="Comma-separated mutant names (default: the whole catalogue)")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the JSON kill report here")
+def mutants_command(profile: str, seed: int | None, only: str | None, report_path: Path | None) -> None:
+    """Run the kit against the reference and every mutant of the bug catalogue; fail if one survives."""
+    from kvconform.conformance.mutants import MUTANTS
+    from kvconform.conformance.mutants.kills import kill_all
+    from kvconform.conformance.report import write_atomically
+
+    names = sorted(MUTANTS) if only is None else [name.strip() for name in only.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(MUTANTS))
+    if unknown or not names:
+        _usage_error(f"unknown mutant(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(sorted(MUTANTS))}")
+    if report_path is not None:
+        try:
+            options.check_writable(report_path)
+        except options.UsageProblem as problem:
+            _usage_error(str(problem))
+    console = Console(stderr=True)
+    console.print(f"kvconform: the reference and {len(names)} mutant(s), profile {profile}, seed {seed}")
+    report = kill_all(names, profile, seed, on_kill=lambda kill: console.print(
+        f"  {kill.mutant}: {kill.verdict} ({kill.failed_clause or 'no failure'}) in {kill.seconds:.1f}s"))
+    table = Table(title=f"kvconform spec {report.spec_version}: mutants, profile {profile}")
+    for column in ("mutant", "vLLM", "verdict", "clause", "found after", "time to kill", "requests", "calls"):
+        table.add_column(column)
+    style = {"killed": "green", "killed by another clause": "yellow", "survived": "bold red"}
+    for kill in report.kills:
+        found = "" if kill.found_after is None else f"{kill.found_after:.1f}s"
+        table.add_row(kill.mutant, kill.vllm_ref, f"[{style[kill.verdict]}]{kill.verdict}[/]", kill.failed_clause or "",
+                      found, f"{kill.seconds:.1f}s", str(kill.requests), str(kill.calls))
+    stdout = _stdout()
+    stdout.print(table)
+    killed = sum(kill.verdict == "killed" for kill in report.kills)
+    stdout.print(f"reference {'passed' if report.reference_passed else 'FAILED: ' + report.reference_failure}; "
+                    f"{killed}/{len(report.kills)} mutants killed by a clause their row names")
+    if report_path is not None:
+        write_atomically(report_path, report.model_dump_json(indent=2))
+    sys.exit(EXIT_CONFORMANT if report.passed else EXIT_NONCONFORMANT)
 
 
 @main.command("adapters")
