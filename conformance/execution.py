@@ -55,6 +55,7 @@ class Session:
     baseline: Baseline = field(default_factory=Baseline)
     on_example: Callable[[], None] | None = None
     coverage: dict[str, int] = field(default_factory=dict)
+    rules: int = 0
     steps: int = 0
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0

@@ -8,7 +8,7 @@ calls run so far are the example's program, which the shrinker edits when it fai
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvconform.adapters.contract import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance.execution import Call, Execution, Scheduling, Session
@@ -203,6 +203,11 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     @rule()
     def drain(self) -> None:
         self.apply("drain")
+
+    @invariant()
+    def count_rules(self) -> None:
+        """Count the rules run (Hypothesis's stateful steps), for the harness's throughput."""
+        self.session.rules += 1
 
     def teardown(self) -> None:
         self.run.close()

@@ -36,6 +36,7 @@ class RunResult:
     seconds: float
     scheduling: Scheduling = "both"
     found_after: float | None = None
+    rules: int = 0
     steps: int = 0
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
@@ -102,7 +103,7 @@ def run(
         result.failed_clause = "CONF-RUN-2"
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
-    result.steps = session.steps
+    result.rules, result.steps = session.rules, session.steps
     result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
     return result
 
