@@ -70,14 +70,19 @@ class Context:
     previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
     exercised: dict[str, int] = field(default_factory=dict)
     kv_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    hashes: dict[BlockRef, bytes] = field(default_factory=dict)
 
     def identity(self, ref: BlockRef) -> bytes:
-        """Return the block hash that a `BlockRef` stands for (CONF-OBS-2)."""
+        """Return the block hash that a `BlockRef` stands for (CONF-OBS-2); a request's hashes never change."""
+        known = self.hashes.get(ref)
+        if known is not None:
+            return known
         request = self.oracle.requests.get(ref.request_id)
         position = (ref.index + 1) * self.config.block_size_factor - 1
         if request is None or position >= len(request.block_hashes):
             raise ClauseViolation("CONF-OBS-2", f"{ref!r} names no full offloaded block of a known request")
-        return request.block_hashes[position]
+        self.hashes[ref] = request.block_hashes[position]
+        return self.hashes[ref]
 
     def identities(self, refs: Iterable[BlockRef]) -> set[bytes]:
         return {self.identity(ref) for ref in refs}

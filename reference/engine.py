@@ -168,7 +168,7 @@ class Engine:
         return result
 
     def _computed_tokens(self) -> dict[str, int]:
-        return {rid: r.num_computed_tokens for rid, r in self.requests.items() if not r.is_finished}
+        return {r.request_id: r.num_computed_tokens for r in (*self.waiting, *self.running)}
 
     def _schedule(self) -> SchedulerOutput:
         """Schedule running requests first, then waiting ones, within the token budget (SCHED-ORDER-1)."""
