@@ -186,7 +186,8 @@ class KVConnectorAdapter(abc.ABC):
 
     @abc.abstractmethod
     def computed_kv(self, request_id: str) -> torch.Tensor:
-        """Return the GPU KV rows `[num_computed_tokens, token_width]` of a running request."""
+        """Return the GPU KV rows `[num_computed_tokens, token_width]` of a running request, or of a waiting
+        request whose load has completed (its computed tokens are its local hit plus the loaded ones)."""
 
     @abc.abstractmethod
     def resource_usage(self) -> ResourceUsage:

@@ -18,7 +18,7 @@ import torch
 from kvconform.adapters.contract import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreSnapshot
 from kvconform.reference import kv_content
 from kvconform.reference.engine import Engine
-from kvconform.reference.request import Request, RequestStatus
+from kvconform.reference.request import Request
 
 Kind = Literal["step", "store", "data", "drain"]
 
@@ -334,10 +334,8 @@ def check_store_contents(ctx: Context, ref: StoreSnapshot, sut: StoreSnapshot) -
 
 @check("XFER-DATA-1", kind="data")
 def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> None:
-    """The GPU bytes of a running request's computed tokens equal the KV content function's."""
+    """The GPU bytes of a running or just loaded request's computed tokens equal the KV content function's."""
     request = ctx.oracle.requests[request_id]
-    if request.status is not RequestStatus.RUNNING:
-        return
     ctx.exercise("XFER-DATA-1")
     expected = ctx.expected_kv(request, request.num_computed_tokens, kv.dtype)
     if kv.shape != expected.shape:

@@ -112,6 +112,13 @@ class Execution:
     def running(self) -> list[str]:
         return sorted(request.request_id for request in self.oracle.engine.running)
 
+    def resident(self) -> list[str]:
+        """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""
+        engine = self.oracle.engine
+        loaded = [request_id for request_id, success in engine.loads_done.items()
+                  if success and not engine.requests[request_id].is_finished]
+        return sorted({*self.running(), *loaded})
+
     def busy(self) -> bool:
         """Return True while the reference has a request to run, a transfer to finish or a batch in flight."""
         engine = self.oracle.engine
@@ -203,6 +210,6 @@ class Execution:
         self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
         self.ctx.previous_store = store
         if self.capabilities.reads_kv:
-            for request_id in self.running():
+            for request_id in self.resident():
                 self.judge(f"adapter.computed_kv({request_id!r})", "data", request_id,
                            self.call("computed_kv", request_id))
