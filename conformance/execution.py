@@ -73,6 +73,7 @@ class Execution:
         self.ctx: Context | None = None
         self.capabilities = Capabilities()
         self.program: list[Call] = []
+        self.failed = False
 
     # --- the engines -------------------------------------------------------------------------
 
@@ -143,7 +144,11 @@ class Execution:
     def apply(self, call: Call) -> None:
         """Run `call` on the reference and the adapter and judge the answers; raise ClauseViolation on a failure."""
         self.program.append(call)
-        getattr(self, f"_{call.operation}")(*call.args)
+        try:
+            getattr(self, f"_{call.operation}")(*call.args)
+        except BaseException:
+            self.failed = True
+            raise
 
     def _start(self, config) -> None:
         self.expect("start", config)

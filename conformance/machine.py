@@ -210,7 +210,12 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         self.session.rules += 1
 
     def teardown(self) -> None:
-        self.run.close()
+        """End every example idle: a last drain checks for leaks and liveness (LIFE-LEAK-1, LIFE-LIVE-1)."""
+        try:
+            if self.run.ctx is not None and not self.run.failed:
+                self.apply("drain")
+        finally:
+            self.run.close()
 
 
 def machine_for(session: Session) -> type[ConnectorStateMachine]:
