@@ -81,7 +81,8 @@ class TransferEngine:
         """One store row per GPU block, each in range; block 0 is the null block (XFER-COPY-1, PFX-NULL-1)."""
         if len(gpu_blocks) != len(rows):
             raise InvalidCall("XFER-COPY-1", f"{len(gpu_blocks)} GPU blocks paired with {len(rows)} store rows")
-        if any(not 0 < block < len(self.gpu) for block in gpu_blocks) or any(not 0 <= row < len(self.store) for row in rows):
+        num_gpu_blocks, num_rows = len(self.gpu), len(self.store)
+        if any(not 0 < block < num_gpu_blocks for block in gpu_blocks) or any(not 0 <= row < num_rows for row in rows):
             raise InvalidCall("XFER-COPY-1", f"GPU blocks {list(gpu_blocks)} or store rows {list(rows)} out of range")
 
     @staticmethod
