@@ -141,7 +141,13 @@ def _short(value: object, limit: int = 300) -> str:
 
 
 class _deadline:
-    """Raise AdapterHung in the calling thread once `timeout` seconds pass (SIGALRM; main thread only)."""
+    """Raise AdapterHung in the calling thread once `timeout` seconds pass (SIGALRM; main thread only).
+
+    The alarm repeats every REPEAT seconds until the call ends: an exception raised while Python runs a
+    garbage-collector callback is printed and dropped, and the hung call must not outlive that one alarm.
+    """
+
+    REPEAT = 0.25
 
     def __init__(self, timeout: float | None, call: str, trace: list[str]) -> None:
         self.armed = timeout is not None and threading.current_thread() is threading.main_thread()
@@ -150,7 +156,7 @@ class _deadline:
     def __enter__(self) -> None:
         if self.armed:
             self.previous = signal.signal(signal.SIGALRM, self._expire)
-            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout, self.REPEAT)
 
     def __exit__(self, *exc_info: object) -> None:
         if self.armed:

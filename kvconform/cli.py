@@ -147,6 +147,47 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
     sys.exit(EXIT_CONFORMANT if report.passed else EXIT_NONCONFORMANT)
 
 
+@main.command("bench")
+@click.option("--only", default=None, metavar="NAMES",
+              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling (default: all)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("kvconform-bench.json"), show_default=True, help="Write every figure as JSON here")
+@click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Seeds per mutant in the counterexample benchmark")
+@click.option("--mutants", default=None, metavar="NAMES",
+              help="Comma-separated mutants for the counterexample benchmark (default: the whole catalogue)")
+def bench_command(only: str | None, json_path: Path, seeds: int, mutants: str | None) -> None:
+    """Measure harness throughput, time to counterexample, transfer bandwidth and scaling; print a table."""
+    import dataclasses
+
+    from kvconform.benchmarks import figures, suite
+    from kvconform.conformance import report
+
+    try:
+        benchmarks = suite.pick_benchmarks(only)
+        settings = suite.Settings(counterexample=dataclasses.replace(
+            suite.Settings().counterexample, seeds=seeds, mutants=suite.pick_mutants(mutants)))
+    except suite.SelectionError as error:
+        _usage_error(str(error))
+    try:
+        options.check_writable(json_path)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    progress = Console(stderr=True)
+    try:
+        bench_report = suite.run(benchmarks, settings, lambda line: progress.print(line, highlight=False))
+    except KeyboardInterrupt:
+        click.echo("kvconform: interrupted; no report written", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    _stdout().print(figures.table(bench_report))
+    try:
+        report.write_atomically(json_path, bench_report.model_dump_json(indent=2))
+    except OSError as error:
+        _usage_error(f"cannot write the report to {json_path}: {error.strerror or error}")
+    click.echo(f"kvconform: {len(bench_report.figures)} figures in {bench_report.seconds:.0f} s, "
+               f"written to {json_path}", err=True)
+
+
 @main.command("adapters")
 def adapters_command() -> None:
     """List the registered adapters."""

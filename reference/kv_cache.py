@@ -21,7 +21,8 @@ class BlockPool:
             raise InvalidCall("PFX-NULL-1", f"num_gpu_blocks must be >= 2, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_hash: dict[int, BlockHash] = {}
+        """Block → the hash it was cached under; only cached blocks are keys, so a reset is O(cached)."""
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[BlockHash, int] = {}
 
@@ -69,7 +70,7 @@ class BlockPool:
 
     def cache(self, block_id: int, block_hash: BlockHash) -> None:
         """Register a full, computed block under its hash; the first block with a hash wins (PFX-HIT-2)."""
-        if self.block_hash[block_id] is None:
+        if block_id not in self.block_hash:
             self.block_hash[block_id] = block_hash
             self.cached.setdefault(block_hash, block_id)
 
@@ -81,17 +82,14 @@ class BlockPool:
         """Forget every cached hash; refused unless every block is free (PFX-RESET-1)."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
-        for block_id in range(self.num_blocks):
-            self.block_hash[block_id] = None
+        self.block_hash.clear()
         self.cached.clear()
         return True
 
     def _uncache(self, block_id: int) -> None:
-        block_hash = self.block_hash[block_id]
-        if block_hash is not None:
-            self.block_hash[block_id] = None
-            if self.cached.get(block_hash) == block_id:
-                del self.cached[block_hash]
+        block_hash = self.block_hash.pop(block_id, None)
+        if block_hash is not None and self.cached.get(block_hash) == block_id:
+            del self.cached[block_hash]
 
 
 class KVCacheManager:

@@ -506,6 +506,19 @@ def test_transfer_round_trip_bytes_equal(dtype):
         TransferEngine(2, 1, 4, 1, 8, "int8", CPU)
 
 
+def test_transfer_pairs_scattered_blocks():
+    """XFER-COPY-1: blocks in mixed runs and out of order each land in their paired row, and back."""
+    transfer = TransferEngine(9, 8, 4, 1, 8, "float16", CPU)
+    transfer.gpu[1:] = torch.rand(8, 4, 8).to(transfer.gpu.dtype)
+    gpu_blocks, rows = [3, 4, 5, 1, 8, 7, 2, 6], [0, 1, 2, 6, 3, 4, 7, 5]
+    transfer.copy_to_store(gpu_blocks, rows)
+    assert all(torch.equal(transfer.store[row], transfer.gpu[block]) for block, row in zip(gpu_blocks, rows))
+    original = transfer.gpu.clone()
+    transfer.gpu.zero_()
+    transfer.copy_to_gpu(rows, gpu_blocks)
+    assert torch.equal(transfer.gpu[1:], original[1:])
+
+
 def test_kv_content_deterministic():
     """XFER-DATA-1: KV bytes depend only on the extra keys and the token prefix."""
     states = kv_content.token_states(kv_content.initial_state(None, None), PROMPT)
