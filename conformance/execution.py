@@ -113,6 +113,12 @@ class Execution:
     def running(self) -> list[str]:
         return sorted(request.request_id for request in self.oracle.engine.running)
 
+    def storing(self) -> list[str]:
+        """Return the running requests whose stores are still in flight."""
+        connector = self.oracle.engine.connector
+        return [request_id for request_id in self.running() if any(
+            connector.jobs[job].is_store for job in connector.states[request_id].transfer_jobs)]
+
     def resident(self) -> list[str]:
         """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""
         engine = self.oracle.engine

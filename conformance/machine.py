@@ -195,6 +195,12 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def preempt(self, data: st.DataObject) -> None:
         self.apply("preempt", data.draw(st.sampled_from(self.run.running()), label="request_id"))
 
+    @precondition(lambda self: self.run.capabilities.preemption and self.run.storing())
+    @rule(data=st.data())
+    def preempt_while_storing(self, data: st.DataObject) -> None:
+        """Preempt a request whose stores are in flight: a rule of its own, as the window is short (LIFE-FREE-2)."""
+        self.apply("preempt", data.draw(st.sampled_from(self.run.storing()), label="request_id"))
+
     @rule(reset_connector=SOMETIMES)
     def reset_prefix_cache(self, reset_connector: bool) -> None:
         self.apply("reset_prefix_cache", reset_connector and self.run.capabilities.reset_connector)
