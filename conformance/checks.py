@@ -197,19 +197,6 @@ def check_no_overwrite_in_flight(ctx: Context, ref: StepObservation, sut: StepOb
         raise ClauseViolation("XFER-SAFE-1", f"forward wrote GPU blocks {sorted(clash)} while stores still read them")
 
 
-@check("OFF-MGR-7")
-def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """prepare_store never evicts a block it was asked to store and already held."""
-    kept = ctx.identities(BlockRef(request_id=o.request_id, index=i) for o in sut.store_offers for i in o.offload_indices)
-    kept &= ctx.identities(ctx.previous_store.ready)
-    if kept and sut.evicted:
-        ctx.exercise("OFF-MGR-7")
-    lost = (kept & ctx.identities(sut.evicted)) - ctx.identities(ref.evicted)
-    if lost:
-        raise ClauseViolation("OFF-MGR-7", f"evicted {len(lost)} block(s) that were offered to the store and already "
-                                           f"held, which the reference kept: evicted {sut.evicted}")
-
-
 @check("OFF-STORE-2")
 def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every block written to the store was offered for that request in the same step."""
@@ -259,6 +246,22 @@ def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> 
             sorted(a.request_id for a in sut.match_answers))
     _differ("SCHED-STEP-2", "scheduled tokens", ref.scheduled_tokens, sut.scheduled_tokens)
     _differ("SCHED-STEP-2", "computed tokens after the step", ref.computed_tokens, sut.computed_tokens)
+
+
+@check("OFF-MGR-7")
+def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """prepare_store never evicts a block it was asked to store and already held, where the reference kept it.
+
+    It compares with the reference's evictions, so it runs once the schedule is known to be the same.
+    """
+    kept = ctx.identities(BlockRef(request_id=o.request_id, index=i) for o in sut.store_offers for i in o.offload_indices)
+    kept &= ctx.identities(ctx.previous_store.ready)
+    if kept and sut.evicted:
+        ctx.exercise("OFF-MGR-7")
+    lost = (kept & ctx.identities(sut.evicted)) - ctx.identities(ref.evicted)
+    if lost:
+        raise ClauseViolation("OFF-MGR-7", f"evicted {len(lost)} block(s) that were offered to the store and already "
+                                           f"held, which the reference kept: evicted {sut.evicted}")
 
 
 @check("OFF-READ-3")

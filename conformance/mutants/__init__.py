@@ -239,8 +239,9 @@ class Mutant:
     """One catalogue row: the broken adapter, the vLLM reference of the bug, and the clauses that observe it.
 
     The first clause is the one the bug violates. The others are where the same bug can show first, as a
-    consequence the kit sees earlier: a key collision makes the store skip a write (OFF-STORE-3) before any
-    other tenant loads the block (OFF-KEY-2); a changed order of admission shows in the schedule
+    consequence the kit sees earlier: a key collision makes the store skip a write (OFF-STORE-3), hold or
+    evict other blocks than the reference's (OFF-MGR-1, OFF-LRU-1, OFF-ARC-1) or answer another tenant's
+    lookup (CONN-MATCH-1) before that tenant loads the block (OFF-KEY-2); a changed order of admission shows in the schedule
     (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show as a missing
     release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak check; a kept
     block evicted in a step in which the reference evicts it too, for a later offer, shows as different
@@ -273,7 +274,8 @@ MUTANTS = {
     "loaded-requests-not-first": row(mutant(LoadedRequestsNotFirstEngine), "#45388",
                                      "LIFE-LIVE-1", "SCHED-STEP-2", "OFF-MGR-1"),
     "tenantless-offload-key": row(mutant(connector_class=TenantlessKeyConnector), "#44701",
-                                  "OFF-KEY-2", "CONN-MATCH-1", "OFF-STORE-3", "OFF-STORE-1", "OFF-MGR-1"),
+                                  "OFF-KEY-2", "CONN-MATCH-1", "OFF-STORE-3", "OFF-STORE-1", "OFF-MGR-1",
+                                  "OFF-LRU-1", "OFF-ARC-1"),
     "async-flag-on-zero": row(mutant(connector_class=AsyncFlagOnZeroConnector), "base.py contract", "CONN-MATCH-2"),
     "load-covers-last-token": row(mutant(LoadCoversLastTokenEngine), "kv_cache_manager.py contract", "PFX-HIT-3"),
     "lookup-past-miss": row(mutant(connector_class=LookupPastMissConnector), "offloading scheduler contract",
