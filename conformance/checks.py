@@ -112,6 +112,20 @@ def _asked_by_both(ref: StepObservation, sut: StepObservation) -> set[str]:
     return {a.request_id for a in ref.match_answers} & {a.request_id for a in sut.match_answers}
 
 
+def _answers(observation: StepObservation, asked: set[str]) -> dict[str, tuple[int, int | None, bool]]:
+    """Return the (local hit, external tokens, async) answered to each of the `asked` requests."""
+    return {a.request_id: (a.local_hit_tokens, a.external_tokens, a.load_async)
+            for a in observation.match_answers if a.request_id in asked}
+
+
+def _loads(observation: StepObservation) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
+    """Return each request's load jobs as (offloaded blocks, first GPU block, GPU blocks), in a stable order."""
+    loads: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
+    for load in observation.loads:
+        loads.setdefault(load.request_id, []).append((load.offload_indices, load.first_gpu_block, load.num_gpu_blocks))
+    return {request_id: sorted(jobs) for request_id, jobs in loads.items()}
+
+
 def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
     grouped: dict[str, list[tuple[int, ...]]] = {}
     for job in jobs:
@@ -220,8 +234,8 @@ def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation
     asked = _asked_by_both(ref, sut)
     if asked:
         ctx.exercise("CONN-MATCH-1")
-    _differ("CONN-MATCH-1", "matched-token answers", sorted((a for a in ref.match_answers if a.request_id in asked), key=repr),
-            sorted((a for a in sut.match_answers if a.request_id in asked), key=repr))
+    _differ("CONN-MATCH-1", "matched-token answers (local hit, external tokens, async)", _answers(ref, asked),
+            _answers(sut, asked))
 
 
 @check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
@@ -280,7 +294,7 @@ def check_loads(ctx: Context, ref: StepObservation, sut: StepObservation) -> Non
     """Load jobs cover the reference's offloaded blocks and GPU block range."""
     if ref.loads:
         ctx.exercise("XFER-LOAD-2")
-    _differ("XFER-LOAD-2", "load jobs", sorted(ref.loads, key=repr), sorted(sut.loads, key=repr))
+    _differ("XFER-LOAD-2", "load jobs (offloaded blocks, first GPU block, GPU blocks)", _loads(ref), _loads(sut))
 
 
 @check("OFF-STORE-1")
