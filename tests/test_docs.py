@@ -89,3 +89,14 @@ def test_adapter_pages_are_in_the_nav(site: Path) -> None:
 def test_adapter_authors_page_shows_a_real_counterexample(site: Path) -> None:
     html = page(site, "adapter-authors")
     assert "NOT conformant: OFF-READ-1" in html and "adapter.add_request(RequestSpec(" in html
+
+
+def test_bug_catalogue_lists_every_mutant(site: Path) -> None:
+    """The catalogue page shows each mutant with its vLLM reference, its clauses as links and its replaced part."""
+    from kvconform.conformance.mutants import MUTANTS
+
+    html = page(site, "mutants")
+    for name, row in MUTANTS.items():
+        assert f'id="{name}"' in html and row.part.__name__ in html, name
+        for clause in row.clauses:
+            assert f'#{clause}">{clause}</a>' in html, (name, clause)

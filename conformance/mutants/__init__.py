@@ -18,12 +18,6 @@ from kvconform.reference.offload_manager import ARCPolicy, OffloadManager
 from kvconform.reference.request import RequestStatus
 
 
-def mutant(engine_base: type[Engine] = Engine, **parts: type) -> type[ReferenceAdapter]:
-    """Return a reference adapter whose engine uses the given replacement parts."""
-    engine = type("MutantEngine", (engine_base,), parts)
-    return type("MutantAdapter", (ReferenceAdapter,), {"engine_class": engine})
-
-
 # --- the seed rule: skip the read, still store -------------------------------------------------
 
 
@@ -152,10 +146,7 @@ class EvictsKeptKeysManager(OffloadManager):
 
 
 class UnknownKeyRaisesArcPolicy(ARCPolicy):
-    """vLLM #34576: ARC's touch of a key the store does not hold raises KeyError (OFF-MGR-4: unknown keys are ignored).
-
-    The adapter raises in the middle of a step, which the kit reports as the call's failure (CONF-CALL-1).
-    """
+    """ARC whose touch raises KeyError for a key the store does not hold."""
 
     def touch(self, keys):
         for key in keys:
@@ -165,7 +156,10 @@ class UnknownKeyRaisesArcPolicy(ARCPolicy):
 
 
 class UnknownKeyRaisesManager(OffloadManager):
-    """The manager with vLLM #34576's ARC policy."""
+    """vLLM #34576: ARC's touch of a key the store does not hold raises KeyError (OFF-MGR-4: unknown keys are ignored).
+
+    The adapter raises in the middle of a step, which the kit reports as the call's failure (CONF-CALL-1).
+    """
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -234,55 +228,72 @@ class LeaksBlockOnAbortEngine(Engine):
         super().abort(request_id)
 
 
+PART_SLOTS = {OffloadConnectorScheduler: "connector_class", OffloadManager: "manager_class",
+              OffloadConnectorWorker: "worker_class"}
+"""Which attribute of the reference `Engine` holds each replaceable part."""
+
+
 @dataclass(frozen=True)
 class Mutant:
-    """One catalogue row: the broken adapter, the vLLM reference of the bug, and the clauses that observe it.
+    """One catalogue row: the reference part that puts the bug back, the vLLM reference, the clauses that observe it.
 
     The first clause is the one the bug violates. The others are where the same bug can show first, as a
     consequence the kit sees earlier: a key collision makes the store skip a write (OFF-STORE-3), hold or
     evict other blocks than the reference's (OFF-MGR-1, OFF-LRU-1, OFF-ARC-1) or answer another tenant's
-    lookup (CONN-MATCH-1) before that tenant loads the block (OFF-KEY-2); a changed order of admission shows in the schedule
-    (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show as a missing
-    release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak check; a kept
-    block evicted in a step in which the reference evicts it too, for a later offer, shows as different
-    blocks written (OFF-STORE-3).
+    lookup (CONN-MATCH-1) before that tenant loads the block (OFF-KEY-2); a changed order of admission shows
+    in the schedule (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show
+    as a missing release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak
+    check; a kept block evicted in a step in which the reference evicts it too, for a later offer, shows as
+    different blocks written (OFF-STORE-3).
     """
 
-    adapter: type[ReferenceAdapter]
+    part: type
     vllm_ref: str
     clauses: tuple[str, ...]
 
+    @property
+    def adapter(self) -> type[ReferenceAdapter]:
+        """Return a reference adapter whose engine uses this mutant's part instead of the reference's (or the part,
+        if it is an adapter itself)."""
+        if issubclass(self.part, ReferenceAdapter):
+            return self.part
+        if issubclass(self.part, Engine):
+            engine = self.part
+        else:
+            slot = next(slot for base, slot in PART_SLOTS.items() if issubclass(self.part, base))
+            engine = type(f"{self.part.__name__}Engine", (Engine,), {slot: self.part})
+        return type(f"{self.part.__name__}Adapter", (ReferenceAdapter,), {"engine_class": engine})
 
-def row(parts: type[ReferenceAdapter], vllm_ref: str, *clauses: str) -> Mutant:
-    return Mutant(parts, vllm_ref, clauses)
+
+def row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
+    return Mutant(part, vllm_ref, clauses)
 
 
 MUTANTS = {
-    "skip-flag-ignored": row(mutant(connector_class=SkipFlagIgnoredConnector), "#44585 / PR #44592", "OFF-READ-1"),
-    "skip-returns-early": row(mutant(connector_class=SkipReturnsEarlyConnector), "PR #44592 (first draft)", "OFF-READ-3"),
-    "stores-not-flushed-on-preemption": row(mutant(connector_class=NoFlushOnPreemptionConnector), "#29870",
+    "skip-flag-ignored": row(SkipFlagIgnoredConnector, "#44585 / PR #44592", "OFF-READ-1"),
+    "skip-returns-early": row(SkipReturnsEarlyConnector, "PR #44592 (first draft)", "OFF-READ-3"),
+    "stores-not-flushed-on-preemption": row(NoFlushOnPreemptionConnector, "#29870",
                                             "LIFE-FREE-2", "OFF-MGR-1", "XFER-SAFE-1"),
-    "store-before-compute": row(mutant(worker_class=StoreBeforeComputeWorker), "#31341", "XFER-DATA-1"),
-    "load-offset-ignored": row(mutant(connector_class=LoadOffsetIgnoredConnector), "#28951", "XFER-DATA-1"),
-    "evicts-kept-keys": row(mutant(manager_class=EvictsKeptKeysManager), "#35846", "OFF-MGR-7", "OFF-STORE-3"),
-    "arc-touch-unknown-key": row(mutant(manager_class=UnknownKeyRaisesManager), "#34576", "OFF-MGR-4", "CONF-CALL-1"),
-    "decoded-blocks-not-offloaded": row(mutant(connector_class=DecodedBlocksNotOffloadedConnector), "#33881",
+    "store-before-compute": row(StoreBeforeComputeWorker, "#31341", "XFER-DATA-1"),
+    "load-offset-ignored": row(LoadOffsetIgnoredConnector, "#28951", "XFER-DATA-1"),
+    "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3"),
+    "arc-touch-unknown-key": row(UnknownKeyRaisesManager, "#34576", "OFF-MGR-4", "CONF-CALL-1"),
+    "decoded-blocks-not-offloaded": row(DecodedBlocksNotOffloadedConnector, "#33881",
                                         "OFF-STORE-1", "OFF-READ-3"),
-    "redundant-load": row(mutant(connector_class=RedundantLoadConnector), "#29087", "CONN-LOAD-2"),
-    "frees-while-storing": row(mutant(connector_class=FreesWhileStoringConnector), "#45823", "XFER-SAFE-1"),
-    "leaks-on-abort-during-load": row(mutant(LeaksOnAbortDuringLoadEngine), "#32255", "LIFE-LEAK-1", "LIFE-FREE-1"),
-    "loaded-requests-not-first": row(mutant(LoadedRequestsNotFirstEngine), "#45388",
+    "redundant-load": row(RedundantLoadConnector, "#29087", "CONN-LOAD-2"),
+    "frees-while-storing": row(FreesWhileStoringConnector, "#45823", "XFER-SAFE-1"),
+    "leaks-on-abort-during-load": row(LeaksOnAbortDuringLoadEngine, "#32255", "LIFE-LEAK-1", "LIFE-FREE-1"),
+    "loaded-requests-not-first": row(LoadedRequestsNotFirstEngine, "#45388",
                                      "LIFE-LIVE-1", "SCHED-STEP-2", "OFF-MGR-1"),
-    "tenantless-offload-key": row(mutant(connector_class=TenantlessKeyConnector), "#44701",
+    "tenantless-offload-key": row(TenantlessKeyConnector, "#44701",
                                   "OFF-KEY-2", "CONN-MATCH-1", "OFF-STORE-3", "OFF-STORE-1", "OFF-MGR-1",
                                   "OFF-LRU-1", "OFF-ARC-1"),
-    "async-flag-on-zero": row(mutant(connector_class=AsyncFlagOnZeroConnector), "base.py contract", "CONN-MATCH-2"),
-    "load-covers-last-token": row(mutant(LoadCoversLastTokenEngine), "kv_cache_manager.py contract", "PFX-HIT-3"),
-    "lookup-past-miss": row(mutant(connector_class=LookupPastMissConnector), "offloading scheduler contract",
-                            "OFF-LOOKUP-2"),
-    "corrupting-store": row(mutant(worker_class=CorruptingStoreWorker), "data integrity", "XFER-DATA-1"),
-    "reordered-load": row(mutant(connector_class=ReorderedLoadConnector), "data integrity", "XFER-DATA-1"),
-    "leaks-block-on-abort": row(mutant(LeaksBlockOnAbortEngine), "no leaks",
+    "async-flag-on-zero": row(AsyncFlagOnZeroConnector, "base.py contract", "CONN-MATCH-2"),
+    "load-covers-last-token": row(LoadCoversLastTokenEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
+    "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-1"),
+    "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),
+    "leaks-block-on-abort": row(LeaksBlockOnAbortEngine, "no leaks",
                                 "LIFE-LEAK-1", "PFX-RESET-1", "SCHED-STEP-2"),
 }
 """Mutant name → catalogue row: first the vLLM bug catalogue of the design notes, then contract and integrity faults."""

@@ -147,7 +147,7 @@ def source_page(path: str) -> str:
     return f"source/{path}.md"
 
 
-PACKAGE_FOLDERS = ("adapters", "conformance", "kvconform", "reference", "spec")
+PACKAGE_FOLDERS = ("adapters", "benchmarks", "conformance", "kvconform", "reference", "spec")
 
 
 @cache
@@ -443,6 +443,19 @@ def directive_plugin_options(args: list[str], page: str) -> str:
     return "\n".join(recorder.rows) + "\n"
 
 
+def directive_mutant_catalogue(args: list[str], page: str) -> str:
+    """Return the bug catalogue: per mutant, its vLLM reference, the clauses that observe it and the part it replaces."""
+    from kvconform.conformance.mutants import MUTANTS
+
+    sections = []
+    for name, row in MUTANTS.items():
+        definition = symbol(f"conformance.mutants.{row.part.__name__}")
+        sections.append(f"### `{name}`\n\n**{row.vllm_ref}** · observed by {', '.join(row.clauses)}\n\n"
+                        f"{definition.doc}\n\n"
+                        + definition_block("quote", f"`{row.part.__name__}`", definition, page))
+    return "\n".join(sections)
+
+
 def import_symbol(name: str) -> type[BaseModel]:
     """Return the object a `module.attribute` path under the kvconform package names."""
     module, _, attr = f"kvconform.{name}".rpartition(".")
@@ -458,6 +471,7 @@ DIRECTIVES: dict[str, Callable[[list[str], str], str]] = {
     "capabilities": directive_capabilities,
     "cli-help": directive_cli_help,
     "plugin-options": directive_plugin_options,
+    "mutant-catalogue": directive_mutant_catalogue,
 }
 
 
