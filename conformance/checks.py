@@ -2,9 +2,9 @@
 an absolute rule, and names the clause it enforces (spec chapter `conformance`).
 
 A check raises `ClauseViolation`. Checks run in the order they are registered: absolute rules first,
-then differential comparisons — the connector's answers to the requests both engines asked, then the
-schedule, then what follows from the schedule (loads, store offers and writes, evictions, finishes) —
-so a failure names the clause of its cause rather than of a consequence.
+then differential comparisons — the connector's lookups and answers for the requests both engines asked,
+then the schedule and the finishes, then what follows from them (computed tokens, loads, store offers
+and writes, evictions, frees) — so a failure names the clause of its cause rather than of a consequence.
 """
 
 from __future__ import annotations
@@ -211,6 +211,24 @@ def check_no_overwrite_in_flight(ctx: Context, ref: StepObservation, sut: StepOb
         raise ClauseViolation("XFER-SAFE-1", f"forward wrote GPU blocks {sorted(clash)} while stores still read them")
 
 
+@check("OFF-MGR-7")
+def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """prepare_store never evicts a block it was offered and already held.
+
+    Decided in steps with one store offer, whose prepare_store call made every eviction of the step; with
+    several, an eviction cannot be told apart from one made for a later offer.
+    """
+    if len(sut.store_offers) != 1 or not sut.evicted:
+        return
+    offer = sut.store_offers[0]
+    ctx.exercise("OFF-MGR-7")
+    kept = ctx.identities(BlockRef(request_id=offer.request_id, index=i) for i in offer.offload_indices)
+    lost = kept & ctx.identities(ctx.previous_store.ready) & ctx.identities(sut.evicted)
+    if lost:
+        raise ClauseViolation("OFF-MGR-7", f"evicted {len(lost)} block(s) of {offer!r}, which it offered and the "
+                                           f"store already held: evicted {sut.evicted}")
+
+
 @check("OFF-STORE-2")
 def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every block written to the store was offered for that request in the same step."""
@@ -222,20 +240,7 @@ def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObser
             raise ClauseViolation("OFF-STORE-2", f"{store!r} writes blocks {extra} that were never offered")
 
 
-# --- differential comparisons: the connector's answers, the schedule, then what follows from it ----
-
-
-@check("CONN-MATCH-1")
-def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """get_num_new_matched_tokens gives the reference's answers (local hit, external tokens, async flag).
-
-    Only requests both engines asked are compared: which requests are asked is the scheduler's choice (SCHED-STEP-2).
-    """
-    asked = _asked_by_both(ref, sut)
-    if asked:
-        ctx.exercise("CONN-MATCH-1")
-    _differ("CONN-MATCH-1", "matched-token answers (local hit, external tokens, async)", _answers(ref, asked),
-            _answers(sut, asked))
+# --- differential comparisons: the connector's lookups and answers, the schedule, then its consequences
 
 
 @check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
@@ -251,31 +256,41 @@ def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> N
         _differ("OFF-LOOKUP-1", f"offloaded blocks looked up for {request_id!r}", expected, actual)
 
 
+@check("CONN-MATCH-1")
+def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """get_num_new_matched_tokens gives the reference's answers (local hit, external tokens, async flag).
+
+    Only requests both engines asked are compared: which requests are asked is the scheduler's choice (SCHED-STEP-2).
+    """
+    asked = _asked_by_both(ref, sut)
+    if asked:
+        ctx.exercise("CONN-MATCH-1")
+    _differ("CONN-MATCH-1", "matched-token answers (local hit, external tokens, async)", _answers(ref, asked),
+            _answers(sut, asked))
+
+
 @check("SCHED-STEP-2")
 def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """The reference's waiting requests are asked for matches, each request is scheduled the reference's number
-    of tokens, and each ends the step with the reference's computed count."""
+    """The reference's waiting requests are asked for matches, and each request is scheduled the reference's
+    number of tokens."""
     ctx.exercise("SCHED-STEP-2")
     _differ("SCHED-STEP-2", "requests asked for matched tokens", sorted(a.request_id for a in ref.match_answers),
             sorted(a.request_id for a in sut.match_answers))
     _differ("SCHED-STEP-2", "scheduled tokens", ref.scheduled_tokens, sut.scheduled_tokens)
+
+
+@check("LIFE-FIN-1")
+def check_finished(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Requests finish in the step the reference finishes them."""
+    if ref.finished:
+        ctx.exercise("LIFE-FIN-1")
+    _differ("LIFE-FIN-1", "finished requests", sorted(ref.finished), sorted(sut.finished))
+
+
+@check("SCHED-STEP-2")
+def check_computed_tokens(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Each unfinished request ends the step with the reference's computed tokens (after the finishes are known)."""
     _differ("SCHED-STEP-2", "computed tokens after the step", ref.computed_tokens, sut.computed_tokens)
-
-
-@check("OFF-MGR-7")
-def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """prepare_store never evicts a block it was asked to store and already held, where the reference kept it.
-
-    It compares with the reference's evictions, so it runs once the schedule is known to be the same.
-    """
-    kept = ctx.identities(BlockRef(request_id=o.request_id, index=i) for o in sut.store_offers for i in o.offload_indices)
-    kept &= ctx.identities(ctx.previous_store.ready)
-    if kept and sut.evicted:
-        ctx.exercise("OFF-MGR-7")
-    lost = (kept & ctx.identities(sut.evicted)) - ctx.identities(ref.evicted)
-    if lost:
-        raise ClauseViolation("OFF-MGR-7", f"evicted {len(lost)} block(s) that were offered to the store and already "
-                                           f"held, which the reference kept: evicted {sut.evicted}")
 
 
 @check("OFF-READ-3")
@@ -320,14 +335,6 @@ def check_evictions(ctx: Context, ref: StepObservation, sut: StepObservation) ->
     if ref.evicted:
         ctx.exercise(clause)
     _differ(clause, "evicted blocks", ctx.identities(ref.evicted), ctx.identities(sut.evicted))
-
-
-@check("LIFE-FIN-1")
-def check_finished(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """Requests finish in the step the reference finishes them."""
-    if ref.finished:
-        ctx.exercise("LIFE-FIN-1")
-    _differ("LIFE-FIN-1", "finished requests", sorted(ref.finished), sorted(sut.finished))
 
 
 @check("LIFE-FREE-1")

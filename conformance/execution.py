@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvconform.adapters.contract import Capabilities, KVConnectorAdapter, StepObservation
+from kvconform.adapters.contract import Capabilities, EngineConfig, KVConnectorAdapter, RequestSpec, StepObservation
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.conformance.baseline import Baseline
-from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller
+from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Context, checks_of
+from kvconform.reference.errors import InvalidCall
 from kvconform.reference.request import RequestStatus
 
 DRAIN_STEP_LIMIT = 64
@@ -25,6 +26,16 @@ DRAIN_STEP_LIMIT = 64
 
 Scheduling = Literal["sync", "async", "both"]
 """Which scheduling modes a run draws: sync only, async only, or both."""
+
+
+PARAMETERS = {"start": ("config",), "add_request": ("request",), "step": (), "complete_transfers": ("fail_loads", "fail_stores"),
+              "abort": ("request_id",), "preempt": ("request_id",), "reset_prefix_cache": ("reset_connector",),
+              "drain": ()}
+"""The operations of a program and the names of their arguments."""
+
+
+class ProgramError(ValueError):
+    """A program in JSON that is not one: the message says which operation and why."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,29 @@ class Call:
         if self.operation == "drain":
             return "drain()  # complete transfers and step until the reference is idle, then check for leaks"
         return f"adapter.{self.operation}({', '.join(map(repr, self.args))})"
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the call as trace vectors write operations: `{"op": ..., "args": {...}}`."""
+        if self.operation in ("start", "add_request"):
+            args = self.args[0].model_dump(mode="json", exclude_defaults=self.operation == "add_request")
+        else:
+            args = dict(zip(PARAMETERS[self.operation], self.args))
+        return {"op": self.operation, "args": args} if args else {"op": self.operation}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Call:
+        """Return the call a `{"op": ..., "args": {...}}` object stands for; raise ProgramError if it stands for none."""
+        operation, args = data.get("op"), data.get("args", {})
+        if operation not in PARAMETERS or not isinstance(args, dict):
+            raise ProgramError(f"{data!r}: 'op' must be one of {', '.join(PARAMETERS)}, 'args' an object")
+        try:
+            if operation == "start":
+                return cls(operation, (EngineConfig(**args),))
+            if operation == "add_request":
+                return cls(operation, (RequestSpec(**args),))
+            return cls(operation, tuple(args[name] for name in PARAMETERS[operation]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ProgramError(f"{data!r}: {error}") from None
 
 
 def render(program: list[Call]) -> str:
@@ -224,3 +258,36 @@ class Execution:
             for request_id in self.resident():
                 self.judge(f"adapter.computed_kv({request_id!r})", "data", request_id,
                            self.call("computed_kv", request_id))
+
+
+@dataclass
+class Replay:
+    """A program as run: the calls the reference's state allowed, and the violation it ended with, if any."""
+
+    program: list[Call]
+    violation: ClauseViolation | None
+
+
+def replay(session: Session, program: list[Call]) -> Replay:
+    """Run `program` on a fresh adapter and reference, skipping the calls the reference's state does not allow.
+
+    The coverage of a replay is not counted: it repeats calls a run has already judged. A hang or a call the
+    reference itself refuses ends the replay with nothing run.
+    """
+    execution = Execution(session, coverage={})
+    violation = None
+    try:
+        execution.begin()
+        for call in program:
+            if execution.allows(call):
+                execution.apply(call)
+    except ClauseViolation as error:
+        violation = error
+    except (AdapterHung, InvalidCall):
+        execution.program.clear()
+    finally:
+        try:
+            execution.close()
+        except (ClauseViolation, AdapterHung):
+            pass
+    return Replay(execution.program, violation)

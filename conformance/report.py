@@ -51,7 +51,8 @@ class RunReport(BaseModel):
     steps: int = Field(description="engine steps compared between the adapter and the reference")
     failed_clause: str | None = Field(description="the clause the run failed on")
     message: str | None = Field(description="what was wrong, naming the adapter call that gave it")
-    counterexample: str | None = Field(description="the shrunk program of operations that fails, one per line")
+    counterexample: str | None = Field(description="the shrunk program of adapter calls that fails, as Python")
+    program: list[dict] | None = Field(None, description="the same program as JSON operations, for `kvconform replay`")
     adapter_traceback: str | None = Field(description="the adapter's traceback, when it raised (CONF-CALL-1)")
     known_failures: dict[str, str] = Field(description="clause -> reason, from the known-failures file")
     clauses: list[ClauseResult] = Field(description="one verdict per clause of the spec")
@@ -76,6 +77,7 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         seed=result.seed, scheduling=result.scheduling, passed=result.passed, outcome=result.outcome,
         seconds=round(result.seconds, 3), rules=result.rules, steps=result.steps,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
+        program=result.program,
         adapter_traceback=result.adapter_traceback, known_failures=known_failures or {}, clauses=clauses,
     )
 

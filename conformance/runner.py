@@ -44,6 +44,7 @@ class RunResult:
     failed_clause: str | None = None
     message: str | None = None
     counterexample: str | None = None
+    program: list[dict] | None = None
     adapter_traceback: str | None = None
     known_failures: dict[str, str] = field(default_factory=dict)
 
@@ -114,6 +115,7 @@ def _failed(result: RunResult, failing: Replay, session: Session) -> None:
     result.failed_clause = failing.violation.clause
     result.message = failing.violation.detail
     result.counterexample = render(failing.program) or "\n".join(session.last_execution.caller.trace)
+    result.program = [call.to_json() for call in failing.program]
     result.adapter_traceback = failing.violation.adapter_traceback
 
 

@@ -14,10 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvconform.adapters.contract import Capabilities, EngineConfig, RequestSpec
-from kvconform.conformance.calls import AdapterHung
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.execution import Call, Execution, Session
-from kvconform.reference.errors import InvalidCall
+from kvconform.conformance.execution import Call, Replay, Session, replay
 
 ROOMY_CONFIG = {"num_gpu_blocks": 64, "num_offload_blocks": 12, "max_num_batched_tokens": 256}
 """Engine settings under which nothing has to be preempted, evicted or chunked: the simplest there are."""
@@ -36,14 +34,6 @@ class Failure:
         return cls(violation.clause, raised)
 
 
-@dataclass
-class Replay:
-    """A program as run: the calls the reference's state allowed, and the violation it ended with, if any."""
-
-    program: list[Call]
-    violation: ClauseViolation | None
-
-
 class Shrinker:
     """Shrinks programs of one session's adapter, keeping the failure they show."""
 
@@ -59,25 +49,8 @@ class Shrinker:
         }
 
     def replay(self, program: list[Call]) -> Replay:
-        """Run `program` in a fresh execution, skipping the calls the reference's state does not allow."""
         self.replays += 1
-        execution = Execution(self.session, coverage={})
-        violation = None
-        try:
-            execution.begin()
-            for call in program:
-                if execution.allows(call):
-                    execution.apply(call)
-        except ClauseViolation as error:
-            violation = error
-        except (AdapterHung, InvalidCall):
-            execution.program.clear()
-        finally:
-            try:
-                execution.close()
-            except (ClauseViolation, AdapterHung):
-                pass
-        return Replay(execution.program, violation)
+        return replay(self.session, program)
 
     def shrink(self, failing: Replay) -> Replay:
         """Return the smallest program found within the time budget that fails as `failing` does.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -101,6 +102,37 @@ def _stdout() -> Console:
 def _usage_error(message: str) -> None:
     click.echo(f"kvconform: error: {message}", err=True)
     sys.exit(EXIT_USAGE)
+
+
+@main.command("replay")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--adapter", "adapter_spec", default="reference", show_default=True,
+              help="Registered adapter name or module:factory")
+@click.option("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT, show_default=True,
+              help="Seconds one adapter call may take before its outcome is reported unknown")
+def replay_command(path: Path, adapter_spec: str, call_timeout: float) -> None:
+    """Run a counterexample again: the program of a JSON report (or a JSON list of operations) on an adapter."""
+    from kvconform.conformance.execution import Call, ProgramError, Session, render, replay
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        operations = data.get("program") if isinstance(data, dict) else data
+        if not isinstance(operations, list):
+            raise ProgramError("expected a report with a 'program' or a list of operations")
+        program = [Call.from_json(operation) for operation in operations]
+        run = options.prepare(adapter_spec, call_timeout=call_timeout)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ProgramError) as error:
+        _usage_error(f"cannot replay {path}: {error}")
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    replayed = replay(Session(run.factory, call_timeout), program)
+    stdout = _stdout()
+    stdout.print(render(replayed.program), markup=False, highlight=False, soft_wrap=True)
+    if replayed.violation is None:
+        stdout.print(f"[green]passes[/] on {adapter_spec}: {len(replayed.program)} calls, no clause violated")
+        sys.exit(EXIT_CONFORMANT)
+    stdout.print(f"[bold red]NOT conformant[/]: {replayed.violation.clause}: {replayed.violation.detail}")
+    sys.exit(EXIT_NONCONFORMANT)
 
 
 @main.command("mutants")

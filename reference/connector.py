@@ -139,7 +139,7 @@ class OffloadConnectorScheduler:
         max_hit = min(request.num_tokens, len(keys) * block)
         if max_hit - state.num_local_tokens < block:
             return 0
-        start = state.num_local_tokens // block
+        start = self.first_lookup(state)
         hits, deferred = 0, False
         for index in range(start, cdiv(max_hit, block)):
             self.recorder.lookups.setdefault(request.request_id, []).append(index)
@@ -158,6 +158,10 @@ class OffloadConnectorScheduler:
         if not self.keys_being_loaded.isdisjoint(keys[start : cdiv(state.num_local_tokens + num_hit_tokens, block)]):
             return None
         return num_hit_tokens
+
+    def first_lookup(self, state: RequestOffloadState) -> int:
+        """Return the offloaded block the lookup starts at: the one holding the local hit's end (OFF-LOOKUP-1)."""
+        return state.num_local_tokens // self.offloaded_block_size
 
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Create the load job for the external hit into the request's pending GPU blocks (CONN-ALLOC-1, XFER-LOAD-2)."""

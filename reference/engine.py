@@ -302,6 +302,11 @@ class Engine:
                 sampled[request_id] = kv_content.next_token(states[end - 1])
         return sampled, writes
 
+    @staticmethod
+    def reached_end(request: Request) -> bool:
+        """Return True once a request has its `max_tokens` outputs: it finishes (LIFE-FIN-1)."""
+        return len(request.output) >= request.max_tokens
+
     def _process(self, batch: Batch) -> None:
         """Apply a batch's sampled tokens and connector output (SCHED-STEP-1, CONN-STEP-4)."""
         for request_id, token in batch.sampled.items():
@@ -313,7 +318,7 @@ class Engine:
                 continue
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             request.append_output(token)
-            if len(request.output) >= request.max_tokens:
+            if self.reached_end(request):
                 self.running.remove(request)
                 self._finish(request, RequestStatus.FINISHED)
         update = self.connector.update_connector_output(batch.connector_output)

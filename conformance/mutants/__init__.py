@@ -14,7 +14,7 @@ from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
 from kvconform.reference.hashing import block_hashes
-from kvconform.reference.offload_manager import ARCPolicy, OffloadManager
+from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
 from kvconform.reference.request import RequestStatus
 
 
@@ -66,6 +66,22 @@ class LookupPastMissConnector(OffloadConnectorScheduler):
             looked_up.append(index)
             self.manager.lookup(self.offload_keys(request)[index])
         return hits
+
+
+class LookupFromStartConnector(OffloadConnectorScheduler):
+    """The lookup starts at the request's first offloaded block, probing blocks the local prefix cache already hit."""
+
+    def first_lookup(self, state):
+        return 0
+
+
+class LoadsOneBlockShortConnector(OffloadConnectorScheduler):
+    """A hit of several offloaded blocks is loaded without its last one (off by one); those tokens keep stale bytes."""
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if num_external_tokens > self.offloaded_block_size:
+            num_external_tokens -= self.offloaded_block_size
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
 
 
 class RedundantLoadConnector(OffloadConnectorScheduler):
@@ -145,6 +161,50 @@ class EvictsKeptKeysManager(OffloadManager):
         self.policy.evict = lambda count, protected: evict(count, set())
 
 
+class TouchIgnoredLRUPolicy(LRUPolicy):
+    """LRU whose touch refreshes nothing: blocks a request hit are evicted as if unused."""
+
+    def touch(self, keys):
+        return None
+
+
+class SwappedListsARCPolicy(ARCPolicy):
+    """ARC that takes its victims from the frequency list T2 while T1 is at or above its target (lists swapped)."""
+
+    def evict(self, count, protected):
+        self.t1, self.t2 = self.t2, self.t1
+        try:
+            return super().evict(count, protected)
+        finally:
+            self.t1, self.t2 = self.t2, self.t1
+
+
+class TouchIgnoredManager(OffloadManager):
+    """The store's LRU refreshes no block on a hit (OFF-LRU-1: a touched block becomes most recent)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.policy_name == "lru":
+            self.policy = TouchIgnoredLRUPolicy(self.num_slots)
+
+
+class SwappedListsManager(OffloadManager):
+    """The store's ARC evicts from T2 where it should from T1 and back (OFF-ARC-4)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.policy_name == "arc":
+            self.policy = SwappedListsARCPolicy(self.num_slots)
+
+
+class StoringCountsAsMissManager(OffloadManager):
+    """A block still being stored is looked up as missing, not as "not yet": the request recomputes what it would
+    load a moment later (OFF-LOOKUP-3: such a hit must defer)."""
+
+    def lookup(self, key):
+        return super().lookup(key) or False
+
+
 class UnknownKeyRaisesArcPolicy(ARCPolicy):
     """ARC whose touch raises KeyError for a key the store does not hold."""
 
@@ -202,6 +262,14 @@ class LoadCoversLastTokenEngine(Engine):
             request.num_computed_tokens = num_computed
 
 
+class FinishesEarlyEngine(Engine):
+    """A request with two or more outputs to make finishes one output early (off by one)."""
+
+    @staticmethod
+    def reached_end(request):
+        return len(request.output) >= max(1, request.max_tokens - 1)
+
+
 class LoadedRequestsNotFirstEngine(Engine):
     """vLLM #45388: loaded requests wait in plain queue order behind requests that cannot fit while they hold blocks."""
 
@@ -243,7 +311,8 @@ class Mutant:
     lookup (CONN-MATCH-1) before that tenant loads the block (OFF-KEY-2); a changed order of admission shows
     in the schedule (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show
     as a missing release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak
-    check; a kept block evicted in a step in which the reference evicts it too, for a later offer, shows as
+    check; a kept block evicted in a step with several store offers, where an eviction cannot be told apart
+    from one made for a later offer, shows as other victims than the policy's (OFF-LRU-1, OFF-ARC-1) or as
     different blocks written (OFF-STORE-3).
     """
 
@@ -276,7 +345,7 @@ MUTANTS = {
                                             "LIFE-FREE-2", "OFF-MGR-1", "XFER-SAFE-1"),
     "store-before-compute": row(StoreBeforeComputeWorker, "#31341", "XFER-DATA-1"),
     "load-offset-ignored": row(LoadOffsetIgnoredConnector, "#28951", "XFER-DATA-1"),
-    "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3"),
+    "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3", "OFF-LRU-1", "OFF-ARC-1"),
     "arc-touch-unknown-key": row(UnknownKeyRaisesManager, "#34576", "OFF-MGR-4", "CONF-CALL-1"),
     "decoded-blocks-not-offloaded": row(DecodedBlocksNotOffloadedConnector, "#33881",
                                         "OFF-STORE-1", "OFF-READ-3"),
@@ -288,6 +357,13 @@ MUTANTS = {
     "tenantless-offload-key": row(TenantlessKeyConnector, "#44701",
                                   "OFF-KEY-2", "CONN-MATCH-1", "OFF-STORE-3", "OFF-STORE-1", "OFF-MGR-1",
                                   "OFF-LRU-1", "OFF-ARC-1"),
+    "storing-counts-as-miss": row(StoringCountsAsMissManager, "offloading scheduler contract",
+                                  "OFF-LOOKUP-3", "CONN-MATCH-1", "OFF-LOOKUP-1"),
+    "lookup-from-start": row(LookupFromStartConnector, "offloading scheduler contract", "OFF-LOOKUP-1"),
+    "loads-one-block-short": row(LoadsOneBlockShortConnector, "offloading scheduler contract", "XFER-LOAD-2"),
+    "lru-touch-ignored": row(TouchIgnoredManager, "lru.py contract", "OFF-LRU-1"),
+    "arc-lists-swapped": row(SwappedListsManager, "arc.py contract", "OFF-ARC-1"),
+    "finishes-early": row(FinishesEarlyEngine, "scheduler contract", "LIFE-FIN-1"),
     "async-flag-on-zero": row(AsyncFlagOnZeroConnector, "base.py contract", "CONN-MATCH-2"),
     "load-covers-last-token": row(LoadCoversLastTokenEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
