@@ -94,15 +94,15 @@ class StoreJob(_Frozen):
 class StepObservation(_Frozen):
     """Everything one engine step did that the spec constrains."""
 
-    scheduled_tokens: dict[str, NonNegativeInt]
+    scheduled_tokens: dict[str, NonNegativeInt] = Field(description="tokens scheduled for each request in this step (SCHED-STEP-2)")
     computed_tokens: dict[str, NonNegativeInt] = Field(description="num_computed_tokens of every unfinished request after the step")
-    match_answers: tuple[MatchAnswer, ...] = ()
+    match_answers: tuple[MatchAnswer, ...] = Field((), description="every get_num_new_matched_tokens call of the step, in order")
     lookups: dict[str, tuple[NonNegativeInt, ...]] = Field(default_factory=dict, description="offloaded block indices looked up, in order")
-    loads: tuple[LoadJob, ...] = ()
-    store_offers: tuple[StoreJob, ...] = ()
-    stores: tuple[StoreJob, ...] = ()
-    evicted: tuple[BlockRef, ...] = ()
-    finished: tuple[str, ...] = ()
+    loads: tuple[LoadJob, ...] = Field((), description="load jobs created in this step (CONN-ALLOC-1)")
+    store_offers: tuple[StoreJob, ...] = Field((), description="blocks offered to prepare_store, per request (OFF-STORE-1)")
+    stores: tuple[StoreJob, ...] = Field((), description="blocks prepare_store chose to write: the store jobs (OFF-STORE-3)")
+    evicted: tuple[BlockRef, ...] = Field((), description="blocks the store evicted in this step (OFF-LRU-1, OFF-ARC-1)")
+    finished: tuple[str, ...] = Field((), description="requests that finished in this step (LIFE-FIN-1)")
     freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
     forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")
     store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
@@ -132,20 +132,20 @@ name lists the values an implementation has, and the reference follows the value
 class Capabilities(_Frozen):
     """What an implementation claims to support; the harness draws only from this (CONF-CAP-1)."""
 
-    async_scheduling: bool = True
-    eviction_policies: tuple[Literal["lru", "arc"], ...] = ("lru", "arc")
-    block_size_factors: tuple[int, ...] = (1, 2, 3)
-    preemption: bool = True
-    abort: bool = True
-    transfer_failures: bool = True
-    reset_connector: bool = True
+    async_scheduling: bool = Field(True, description="runs with async scheduling as well as sync")
+    eviction_policies: tuple[Literal["lru", "arc"], ...] = Field(("lru", "arc"), description="store eviction policies it implements")
+    block_size_factors: tuple[int, ...] = Field((1, 2, 3), description="GPU blocks per offloaded block it supports")
+    preemption: bool = Field(True, description="preempt() of a running request is supported")
+    abort: bool = Field(True, description="abort() of an unfinished request is supported")
+    transfer_failures: bool = Field(True, description="complete_transfers() can fail loads and stores")
+    reset_connector: bool = Field(True, description="reset_prefix_cache(reset_connector=True) also empties the store")
     offer_at_finish: tuple[bool, ...] = Field((False,), description="whether the connector offers a finished "
                                                                       "request's blocks at the next step (OFF-STORE-6)")
     flush_on_hit: tuple[bool, ...] = Field((False,), description="whether a store is also flushed when its blocks "
                                                                    "become a local hit (LIFE-FREE-2)")
     preempt_in_flight: tuple[bool, ...] = Field((True,), description="whether a request is preempted even while the "
                                                                        "step in flight holds its blocks (SCHED-PREEMPT-1)")
-    kv_cache_groups: int = 1
+    kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
 
     @model_validator(mode="after")
@@ -220,7 +220,8 @@ class KVConnectorAdapter(abc.ABC):
 
     @abc.abstractmethod
     def computed_kv(self, request_id: str) -> torch.Tensor:
-        """Return the GPU KV rows `[num_computed_tokens, token_width]` of a running request."""
+        """Return the GPU KV rows `[num_computed_tokens, token_width]` of a running request, or of a waiting
+        request whose load has completed (its computed tokens are its local hit plus the loaded ones)."""
 
     @abc.abstractmethod
     def resource_usage(self) -> ResourceUsage:

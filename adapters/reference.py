@@ -30,6 +30,7 @@ class ReferenceAdapter(KVConnectorAdapter):
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device
         self.engine: Engine | None = None
+        self.refs: dict[bytes, BlockRef] = {}
 
     def implementation_version(self) -> str:
         return kvconform.__version__
@@ -39,6 +40,7 @@ class ReferenceAdapter(KVConnectorAdapter):
 
     def start(self, config: EngineConfig) -> None:
         self.engine = self.engine_class(config, self.device)
+        self.refs = {}
 
     def add_request(self, request: RequestSpec) -> None:
         self.engine.add_request(request)
@@ -47,31 +49,39 @@ class ReferenceAdapter(KVConnectorAdapter):
         return self.observe(self.engine.step())
 
     def observe(self, result: StepResult) -> StepObservation:
-        """Translate a reference step into the contract's vocabulary."""
+        """Translate a reference step into the contract's vocabulary.
+
+        The models are built unvalidated: they are right by construction, and the harness revalidates
+        whatever an adapter under test returns (CONF-OBS-1).
+        """
         trace = result.trace
-        origin = self.engine.connector.key_origin
-        return StepObservation(
+        return StepObservation.model_construct(
             scheduled_tokens=result.scheduled_tokens,
             computed_tokens=result.computed_tokens,
-            match_answers=tuple(MatchAnswer(request_id=r, local_hit_tokens=local, external_tokens=ext, load_async=a)
-                                for r, local, ext, a in trace.answers),
+            match_answers=tuple(MatchAnswer.model_construct(request_id=r, local_hit_tokens=local, external_tokens=ext,
+                                                            load_async=a) for r, local, ext, a in trace.answers),
             lookups={r: tuple(indices) for r, indices in trace.lookups.items()},
-            loads=tuple(LoadJob(request_id=r, offload_indices=tuple(i), first_gpu_block=first, num_gpu_blocks=n)
-                        for r, i, first, n in trace.loads),
-            store_offers=tuple(StoreJob(request_id=r, offload_indices=tuple(i), evicted=self.refs(origin, evicted))
+            loads=tuple(LoadJob.model_construct(request_id=r, offload_indices=tuple(i), first_gpu_block=first,
+                                                num_gpu_blocks=n) for r, i, first, n in trace.loads),
+            store_offers=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i),
+                                                        evicted=tuple(map(self.block_ref, evicted)))
                                for (r, i), evicted in zip(trace.store_offers, trace.offer_evictions)),
-            stores=tuple(StoreJob(request_id=r, offload_indices=tuple(i)) for r, i in trace.stores),
-            evicted=self.refs(origin, trace.evicted),
+            stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
+                         for r, i in trace.stores),
+            evicted=tuple(map(self.block_ref, trace.evicted)),
             finished=tuple(result.finished),
             freed=tuple(result.freed),
             forward_writes=frozenset(result.forward_writes),
             store_reads_in_flight=frozenset(result.store_reads_in_flight),
         )
 
-    @staticmethod
-    def refs(origin: dict, keys: list) -> tuple[BlockRef, ...]:
-        """Name offload keys by the request block that first stored each."""
-        return tuple(BlockRef(request_id=origin[key][0], index=origin[key][1]) for key in keys)
+    def block_ref(self, key: bytes) -> BlockRef:
+        """Return the implementation-neutral name of an offload key: the first request block that produced it."""
+        ref = self.refs.get(key)
+        if ref is None:
+            request_id, index = self.engine.connector.key_origin[key]
+            ref = self.refs[key] = BlockRef.model_construct(request_id=request_id, index=index)
+        return ref
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -86,12 +96,10 @@ class ReferenceAdapter(KVConnectorAdapter):
         self.engine.complete_transfers(fail_loads, fail_stores)
 
     def store_contents(self) -> StoreSnapshot:
-        origin = self.engine.connector.key_origin
         ready, storing = set(), set()
         for key, block in self.engine.manager.contents():
-            request_id, index = origin[key]
-            (ready if block.is_ready else storing).add(BlockRef(request_id=request_id, index=index))
-        return StoreSnapshot(ready=frozenset(ready), storing=frozenset(storing))
+            (ready if block.is_ready else storing).add(self.block_ref(key))
+        return StoreSnapshot.model_construct(ready=frozenset(ready), storing=frozenset(storing))
 
     def computed_kv(self, request_id: str) -> torch.Tensor:
         return self.engine.computed_kv(request_id)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +41,9 @@ RETURNS: dict[str, type] = {
 }
 """What each contract method returns; the others return nothing the harness reads."""
 
+STATE_CHANGING = frozenset({"start", "add_request", "step", "complete_transfers", "abort", "preempt", "reset_prefix_cache"})
+"""The contract methods that change the engine: a counterexample is a program of these calls."""
+
 
 class AdapterHung(BaseException):
     """A call did not return in time: its outcome is unknown (CONF-CALL-2).
@@ -57,23 +60,32 @@ class AdapterHung(BaseException):
 
 
 class AdapterCaller:
-    """Calls one adapter, recording every call so a hang can be reported with the calls that led to it."""
+    """Calls one adapter, recording every call: a failure is reported with the calls that led to it."""
 
     def __init__(self, timeout: float | None) -> None:
         self.adapter: KVConnectorAdapter | None = None
         self.timeout = timeout
         self.config: EngineConfig | None = None
         self.trace: list[str] = []
+        self.program: list[str] = []
+        self.last_observation: str | None = None
         self.hung = False
+        self.seconds = 0.0
 
     def build(self, factory: Callable[[], KVConnectorAdapter]) -> KVConnectorAdapter:
         """Build the adapter under the same timeout and failure rules as any call (CONF-CALL-1, CONF-CALL-2)."""
-        self.adapter = self._invoke("adapter factory()", factory)
+        self.last_observation = "adapter = factory()"
+        self.adapter = self._invoke(self.last_observation, factory)
         return self.adapter
 
     def __call__(self, operation: str, *args: Any) -> Any:
         """Return the adapter's validated answer to `operation(*args)` (CONF-CALL-1, CONF-CALL-2, CONF-OBS-1)."""
         call = f"adapter.{operation}({', '.join(map(repr, args))})"
+        if operation in STATE_CHANGING:
+            self.program.append(call)
+            self.last_observation = None
+        elif operation != "close":  # teardown's close comes after the failure, not before it
+            self.last_observation = call
         value = self._invoke(call, lambda: getattr(self.adapter, operation)(*args))
         if operation == "start":
             self.config = args[0]
@@ -81,6 +93,7 @@ class AdapterCaller:
 
     def _invoke(self, call: str, function: Callable[[], Any]) -> Any:
         self.trace.append(call)
+        started = time.perf_counter()
         try:
             with _deadline(self.timeout, call, self.trace):
                 return function()
@@ -93,6 +106,12 @@ class AdapterCaller:
         except (Exception, SystemExit) as error:  # an adapter calling sys.exit must not end the run
             raise ClauseViolation("CONF-CALL-1", f"{call} raised {type(error).__name__}: {error}",
                                   adapter_traceback="".join(traceback.format_exception(error))) from error
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def counterexample(self) -> str:
+        """Return the state-changing calls made so far, then the last call if it only observed: a replayable program."""
+        return "\n".join([*self.program, *filter(None, [self.last_observation])])
 
     def validated(self, call: str, operation: str, value: Any) -> Any:
         """Return `value` if it is what the contract says `operation` returns, else fail CONF-OBS-1."""
@@ -120,23 +139,19 @@ class AdapterCaller:
                                                 f"expected {dtype} rows of width {width}")
 
 
-@contextmanager
-def judging(call: str) -> Iterator[None]:
-    """Name the adapter call whose answer a failing check judged (CONF-CALL-1: failures name the call)."""
-    try:
-        yield
-    except ClauseViolation as violation:
-        violation.detail = f"{call}: {violation.detail}"
-        raise
-
-
 def _short(value: object, limit: int = 300) -> str:
     text = repr(value) if not isinstance(value, Exception) else str(value)
     return text if len(text) <= limit else f"{text[:limit]}…"
 
 
 class _deadline:
-    """Raise AdapterHung in the calling thread once `timeout` seconds pass (SIGALRM; main thread only)."""
+    """Raise AdapterHung in the calling thread once `timeout` seconds pass (SIGALRM; main thread only).
+
+    The alarm repeats every REPEAT seconds until the call ends: an exception raised while Python runs a
+    garbage-collector callback is printed and dropped, and the hung call must not outlive that one alarm.
+    """
+
+    REPEAT = 0.25
 
     def __init__(self, timeout: float | None, call: str, trace: list[str]) -> None:
         self.armed = timeout is not None and threading.current_thread() is threading.main_thread()
@@ -145,7 +160,7 @@ class _deadline:
     def __enter__(self) -> None:
         if self.armed:
             self.previous = signal.signal(signal.SIGALRM, self._expire)
-            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout, self.REPEAT)
 
     def __exit__(self, *exc_info: object) -> None:
         if self.armed:

@@ -2,8 +2,9 @@
 an absolute rule, and names the clause it enforces (spec chapter `conformance`).
 
 A check raises `ClauseViolation`. Checks run in the order they are registered: absolute rules first,
-then specific differential comparisons, then the generic ones, so a failure names the most specific
-clause that explains it.
+then differential comparisons — the connector's lookups and answers for the requests both engines asked,
+then the schedule and the finishes, then what follows from them (computed tokens, loads, store offers
+and writes, evictions, frees) — so a failure names the clause of its cause rather than of a consequence.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Literal
 
 import torch
 
-from kvconform.adapters.contract import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreSnapshot
+from kvconform.adapters.contract import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreJob, StoreSnapshot
 from kvconform.reference import kv_content
 from kvconform.reference.engine import Engine
-from kvconform.reference.request import RequestStatus
+from kvconform.reference.request import Request
 
 Kind = Literal["step", "store", "data", "drain"]
 
@@ -68,14 +69,20 @@ class Context:
     oracle: Engine
     previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
     exercised: dict[str, int] = field(default_factory=dict)
+    kv_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    hashes: dict[BlockRef, bytes] = field(default_factory=dict)
 
     def identity(self, ref: BlockRef) -> bytes:
-        """Return the block hash that a `BlockRef` stands for (CONF-OBS-2)."""
+        """Return the block hash that a `BlockRef` stands for (CONF-OBS-2); a request's hashes never change."""
+        known = self.hashes.get(ref)
+        if known is not None:
+            return known
         request = self.oracle.requests.get(ref.request_id)
         position = (ref.index + 1) * self.config.block_size_factor - 1
         if request is None or position >= len(request.block_hashes):
             raise ClauseViolation("CONF-OBS-2", f"{ref!r} names no full offloaded block of a known request")
-        return request.block_hashes[position]
+        self.hashes[ref] = request.block_hashes[position]
+        return self.hashes[ref]
 
     def identities(self, refs: Iterable[BlockRef]) -> set[bytes]:
         return {self.identity(ref) for ref in refs}
@@ -83,10 +90,40 @@ class Context:
     def exercise(self, clause: str) -> None:
         self.exercised[clause] = self.exercised.get(clause, 0) + 1
 
+    def expected_kv(self, request: Request, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """Return the KV rows the content function gives a request's first `num_tokens` tokens (XFER-DATA-1).
+
+        A request's tokens only ever grow, so the rows of earlier steps are kept and extended.
+        """
+        rows = self.kv_rows.get(request.request_id, torch.empty(0, self.config.token_width, dtype=dtype))
+        if len(rows) < num_tokens:
+            states = request.token_states(num_tokens, self.oracle.runner_tokens(request))
+            rows = torch.cat([rows, kv_content.kv_values(states[len(rows):], self.config.token_width, dtype)])
+            self.kv_rows[request.request_id] = rows
+        return rows[:num_tokens]
+
 
 def _differ(clause: str, what: str, ref: object, sut: object) -> None:
     if ref != sut:
         raise ClauseViolation(clause, f"{what}: reference {ref!r}, adapter {sut!r}")
+
+
+def _asked_by_both(ref: StepObservation, sut: StepObservation) -> set[str]:
+    return {a.request_id for a in ref.match_answers} & {a.request_id for a in sut.match_answers}
+
+
+def _answers(observation: StepObservation, asked: set[str]) -> dict[str, tuple[int, int | None, bool]]:
+    """Return the (local hit, external tokens, async) answered to each of the `asked` requests."""
+    return {a.request_id: (a.local_hit_tokens, a.external_tokens, a.load_async)
+            for a in observation.match_answers if a.request_id in asked}
+
+
+def _loads(observation: StepObservation) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
+    """Return each request's load jobs as (offloaded blocks, first GPU block, GPU blocks), in a stable order."""
+    loads: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
+    for load in observation.loads:
+        loads.setdefault(load.request_id, []).append((load.offload_indices, load.first_gpu_block, load.num_gpu_blocks))
+    return {request_id: sorted(jobs) for request_id, jobs in loads.items()}
 
 
 def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
@@ -97,6 +134,19 @@ def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
 
 
 # --- absolute rules on the adapter's own observation ------------------------------------------
+
+
+@check("CONN-MATCH-2", "CONN-MATCH-3")
+def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A 0-token answer is synchronous; local plus external hit never exceeds the request's tokens."""
+    for answer in sut.match_answers:
+        ctx.exercise("CONN-MATCH-2")
+        if answer.external_tokens == 0 and answer.load_async:
+            raise ClauseViolation("CONN-MATCH-2", f"{answer!r}: a 0-token answer must have load_async=False")
+        total = ctx.oracle.requests[answer.request_id].num_tokens
+        ctx.exercise("CONN-MATCH-3")
+        if answer.external_tokens is not None and answer.local_hit_tokens + answer.external_tokens > total:
+            raise ClauseViolation("CONN-MATCH-3", f"{answer!r} exceeds the request's {total} tokens")
 
 
 @check("OFF-READ-1", "OFF-READ-2")
@@ -115,19 +165,6 @@ def check_skip_read(ctx: Context, ref: StepObservation, sut: StepObservation) ->
     for load in sut.loads:
         if load.request_id in skipping:
             raise ClauseViolation("OFF-READ-2", f"skip-read request got a load {load!r}")
-
-
-@check("CONN-MATCH-2", "CONN-MATCH-3")
-def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """A 0-token answer is synchronous; local plus external hit never exceeds the request's tokens."""
-    for answer in sut.match_answers:
-        ctx.exercise("CONN-MATCH-2")
-        if answer.external_tokens == 0 and answer.load_async:
-            raise ClauseViolation("CONN-MATCH-2", f"{answer!r}: a 0-token answer must have load_async=False")
-        total = ctx.oracle.requests[answer.request_id].num_tokens
-        ctx.exercise("CONN-MATCH-3")
-        if answer.external_tokens is not None and answer.local_hit_tokens + answer.external_tokens > total:
-            raise ClauseViolation("CONN-MATCH-3", f"{answer!r} exceeds the request's {total} tokens")
 
 
 @check("PFX-HIT-3")
@@ -151,6 +188,19 @@ def check_no_redundant_load(ctx: Context, ref: StepObservation, sut: StepObserva
             raise ClauseViolation("CONN-LOAD-2", f"{load!r} reloads GPU blocks below the local hit of {hit_blocks} blocks")
 
 
+@check("OFF-KEY-2")
+def check_loads_read_own_blocks(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A load reads only blocks the store held readable under the loading request's own identity (tenant included)."""
+    held = ctx.identities(ctx.previous_store.ready)
+    for load in sut.loads:
+        ctx.exercise("OFF-KEY-2")
+        foreign = [i for i in load.offload_indices
+                   if ctx.identity(BlockRef(request_id=load.request_id, index=i)) not in held]
+        if foreign:
+            raise ClauseViolation("OFF-KEY-2", f"{load!r} reads offloaded blocks {foreign}, which the store did not hold "
+                                               "for this request's prefix and tenant (cache_salt, LoRA)")
+
+
 @check("XFER-SAFE-1")
 def check_no_overwrite_in_flight(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The forward never writes a GPU block that an in-flight store still reads."""
@@ -163,29 +213,28 @@ def check_no_overwrite_in_flight(ctx: Context, ref: StepObservation, sut: StepOb
 
 @check("OFF-MGR-7")
 def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """prepare_store never evicts a block it was asked to store and already held.
+    """prepare_store never evicts a block it was offered and already held.
 
-    With each offer's own evictions reported, each prepare_store call is judged on its own; otherwise the
-    step's offers and evictions are taken together and compared with the reference's.
+    With each offer's own evictions reported, each prepare_store call is judged on its own. Otherwise it is
+    decided in steps with one store offer, whose prepare_store call made every eviction of the step; with
+    several, an eviction cannot be told apart from one made for a later offer.
     """
     held = ctx.identities(ctx.previous_store.ready)
     if any(offer.evicted for offer in sut.store_offers):
         for offer in sut.store_offers:
-            kept = ctx.identities(BlockRef(request_id=offer.request_id, index=i) for i in offer.offload_indices) & held
-            if kept:
-                ctx.exercise("OFF-MGR-7")
-            lost = kept & ctx.identities(offer.evicted)
-            if lost:
-                raise ClauseViolation("OFF-MGR-7", f"{offer!r} evicted {len(lost)} of the already held blocks it offered")
-        return
-    kept = ctx.identities(BlockRef(request_id=o.request_id, index=i) for o in sut.store_offers for i in o.offload_indices)
-    kept &= held
-    if kept and sut.evicted:
-        ctx.exercise("OFF-MGR-7")
-    lost = (kept & ctx.identities(sut.evicted)) - ctx.identities(ref.evicted)
+            _judge_kept_keys(ctx, offer, held, offer.evicted)
+    elif len(sut.store_offers) == 1 and sut.evicted:
+        _judge_kept_keys(ctx, sut.store_offers[0], held, sut.evicted)
+
+
+def _judge_kept_keys(ctx: Context, offer: StoreJob, held: set[bytes], evicted: tuple[BlockRef, ...]) -> None:
+    """OFF-MGR-7 for one prepare_store call: `offer` and the blocks `evicted` while it was prepared."""
+    ctx.exercise("OFF-MGR-7")
+    kept = ctx.identities(BlockRef(request_id=offer.request_id, index=i) for i in offer.offload_indices)
+    lost = kept & held & ctx.identities(evicted)
     if lost:
-        raise ClauseViolation("OFF-MGR-7", f"evicted {len(lost)} block(s) that were offered to the store and already "
-                                           f"held, which the reference kept: evicted {sut.evicted}")
+        raise ClauseViolation("OFF-MGR-7", f"evicted {len(lost)} block(s) of {offer!r}, which it offered and the "
+                                           f"store already held: evicted {evicted}")
 
 
 @check("OFF-STORE-2")
@@ -199,7 +248,57 @@ def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObser
             raise ClauseViolation("OFF-STORE-2", f"{store!r} writes blocks {extra} that were never offered")
 
 
-# --- differential comparisons, most specific first --------------------------------------------
+# --- differential comparisons: the connector's lookups and answers, the schedule, then its consequences
+
+
+@check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
+def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The store is looked up from the first block past the local hit, in order, up to the first miss."""
+    for request_id in sorted((set(ref.lookups) | set(sut.lookups)) & _asked_by_both(ref, sut)):
+        expected, actual = ref.lookups.get(request_id, ()), sut.lookups.get(request_id, ())
+        ctx.exercise("OFF-LOOKUP-1")
+        ctx.exercise("OFF-LOOKUP-2")
+        if expected and actual[: len(expected)] == expected and len(actual) > len(expected):
+            raise ClauseViolation("OFF-LOOKUP-2", f"request {request_id!r}: lookups went on past the first miss at "
+                                                  f"block {expected[-1]}: looked up {actual}")
+        _differ("OFF-LOOKUP-1", f"offloaded blocks looked up for {request_id!r}", expected, actual)
+
+
+@check("CONN-MATCH-1")
+def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """get_num_new_matched_tokens gives the reference's answers (local hit, external tokens, async flag).
+
+    Only requests both engines asked are compared: which requests are asked is the scheduler's choice (SCHED-STEP-2).
+    """
+    asked = _asked_by_both(ref, sut)
+    if asked:
+        ctx.exercise("CONN-MATCH-1")
+    _differ("CONN-MATCH-1", "matched-token answers (local hit, external tokens, async)", _answers(ref, asked),
+            _answers(sut, asked))
+
+
+@check("SCHED-STEP-2")
+def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The reference's waiting requests are asked for matches, and each request is scheduled the reference's
+    number of tokens."""
+    ctx.exercise("SCHED-STEP-2")
+    _differ("SCHED-STEP-2", "requests asked for matched tokens", sorted(a.request_id for a in ref.match_answers),
+            sorted(a.request_id for a in sut.match_answers))
+    _differ("SCHED-STEP-2", "scheduled tokens", ref.scheduled_tokens, sut.scheduled_tokens)
+
+
+@check("LIFE-FIN-1")
+def check_finished(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Requests finish in the step the reference finishes them."""
+    if ref.finished:
+        ctx.exercise("LIFE-FIN-1")
+    _differ("LIFE-FIN-1", "finished requests", sorted(ref.finished), sorted(sut.finished))
+
+
+@check("SCHED-STEP-2")
+def check_computed_tokens(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Each unfinished request ends the step with the reference's computed tokens (after the finishes are known)."""
+    _differ("SCHED-STEP-2", "computed tokens after the step", ref.computed_tokens, sut.computed_tokens)
 
 
 @check("OFF-READ-3")
@@ -213,33 +312,12 @@ def check_skip_read_still_stores(ctx: Context, ref: StepObservation, sut: StepOb
     _differ("OFF-READ-3", "blocks of skip-read requests offered to the store", ref_offers, sut_offers)
 
 
-@check("CONN-MATCH-1")
-def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """get_num_new_matched_tokens gives the reference's answers (local hit, external tokens, async flag)."""
-    if ref.match_answers:
-        ctx.exercise("CONN-MATCH-1")
-    _differ("CONN-MATCH-1", "matched-token answers", sorted(ref.match_answers, key=repr), sorted(sut.match_answers, key=repr))
-
-
-@check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
-def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """The store is looked up from the first block past the local hit, in order, up to the first miss."""
-    for request_id in sorted(set(ref.lookups) | set(sut.lookups)):
-        expected, actual = ref.lookups.get(request_id, ()), sut.lookups.get(request_id, ())
-        ctx.exercise("OFF-LOOKUP-1")
-        ctx.exercise("OFF-LOOKUP-2")
-        if expected and actual[: len(expected)] == expected and len(actual) > len(expected):
-            raise ClauseViolation("OFF-LOOKUP-2", f"request {request_id!r}: lookups went on past the first miss at "
-                                                  f"block {expected[-1]}: looked up {actual}")
-        _differ("OFF-LOOKUP-1", f"offloaded blocks looked up for {request_id!r}", expected, actual)
-
-
 @check("XFER-LOAD-2")
 def check_loads(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Load jobs cover the reference's offloaded blocks and GPU block range."""
     if ref.loads:
         ctx.exercise("XFER-LOAD-2")
-    _differ("XFER-LOAD-2", "load jobs", sorted(ref.loads, key=repr), sorted(sut.loads, key=repr))
+    _differ("XFER-LOAD-2", "load jobs (offloaded blocks, first GPU block, GPU blocks)", _loads(ref), _loads(sut))
 
 
 @check("OFF-STORE-1")
@@ -267,20 +345,12 @@ def check_store_writes(ctx: Context, ref: StepObservation, sut: StepObservation)
     _differ("OFF-STORE-3", "blocks written to the store", _by_request(ref.stores), _by_request(sut.stores))
 
 
-@check("SCHED-STEP-2")
-def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """Each request is scheduled the reference's number of tokens and ends the step with its computed count."""
-    ctx.exercise("SCHED-STEP-2")
-    _differ("SCHED-STEP-2", "scheduled tokens", ref.scheduled_tokens, sut.scheduled_tokens)
-    _differ("SCHED-STEP-2", "computed tokens after the step", ref.computed_tokens, sut.computed_tokens)
-
-
-@check("LIFE-FIN-1")
-def check_finished(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """Requests finish in the step the reference finishes them."""
-    if ref.finished:
-        ctx.exercise("LIFE-FIN-1")
-    _differ("LIFE-FIN-1", "finished requests", sorted(ref.finished), sorted(sut.finished))
+@check("LIFE-FREE-1")
+def check_freed(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Finished requests' GPU blocks are released in the step the reference releases them, and not before."""
+    if ref.freed:
+        ctx.exercise("LIFE-FREE-1")
+    _differ("LIFE-FREE-1", "requests whose GPU blocks were released", sorted(ref.freed), sorted(sut.freed))
 
 
 # --- store contents and data -------------------------------------------------------------------
@@ -296,13 +366,10 @@ def check_store_contents(ctx: Context, ref: StoreSnapshot, sut: StoreSnapshot) -
 
 @check("XFER-DATA-1", kind="data")
 def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> None:
-    """The GPU bytes of a running request's computed tokens equal the KV content function's."""
+    """The GPU bytes of a running or just loaded request's computed tokens equal the KV content function's."""
     request = ctx.oracle.requests[request_id]
-    if request.status is not RequestStatus.RUNNING:
-        return
     ctx.exercise("XFER-DATA-1")
-    expected = kv_content.kv_values(request.token_states(request.num_computed_tokens, ctx.oracle.runner_tokens(request)),
-                                    ctx.config.token_width, kv.dtype)
+    expected = ctx.expected_kv(request, request.num_computed_tokens, kv.dtype)
     if kv.shape != expected.shape:
         raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV of shape {tuple(kv.shape)}, "
                                              f"expected {tuple(expected.shape)}")

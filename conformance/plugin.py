@@ -1,29 +1,72 @@
 """The kvconform pytest plugin: `pytest --kv-adapter=NAME|module:factory` runs the conformance suite.
 
 Registered under the `pytest11` entry point, so any project with kvconform installed has the options.
-Heavy imports happen only when the suite is requested.
+They mirror `kvconform run` and are checked by the same code (`conformance/options.py`) before any test
+runs: a mistake is a one-line `pytest.UsageError`. Heavy imports happen only when the suite is requested.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES
+
+if TYPE_CHECKING:
+    from kvconform.conformance.options import RunOptions
+    from kvconform.conformance.report import RunReport
 
 OPTION_ADAPTER = "--kv-adapter"
 OPTION_PROFILE = "--kv-profile"
 OPTION_SEED = "--kv-seed"
+OPTION_SCHEDULING = "--kv-scheduling"
+OPTION_CALL_TIMEOUT = "--kv-call-timeout"
+OPTION_REPORT = "--kv-report"
+OPTION_JUNIT = "--kv-junit"
+OPTION_KNOWN_FAILURES = "--kv-known-failures"
+OPTION_CERTIFY = "--kv-certify"
 ENV_ADAPTER = "KVCONFORM_ADAPTER"
 SUITE = Path(__file__).with_name("suite.py")
 
+RUN_OPTIONS = pytest.StashKey["RunOptions"]()
+RUN_REPORT = pytest.StashKey["RunReport"]()
+
+# keyword of options.prepare -> dest of the pytest option; options left unset take prepare's defaults
+PREPARE_ARGUMENTS = {
+    "profile": "kv_profile",
+    "seed": "kv_seed",
+    "scheduling": "kv_scheduling",
+    "call_timeout": "kv_call_timeout",
+    "report_path": "kv_report",
+    "junit_path": "kv_junit",
+    "known_failures_path": "kv_known_failures",
+    "certify": "kv_certify",
+}
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("kvconform", "KV connector conformance")
+    group = parser.getgroup("kvconform", "KV connector conformance (the options of `kvconform run`)")
     group.addoption(OPTION_ADAPTER, dest="kv_adapter", default=None,
                     help=f"Adapter to check: registered name or module:factory (or set {ENV_ADAPTER})")
-    group.addoption(OPTION_PROFILE, dest="kv_profile", default="ci", help="Hypothesis profile: smoke, ci, dev or thorough")
-    group.addoption(OPTION_SEED, dest="kv_seed", type=int, default=None, help="Random seed for the state machine")
+    group.addoption(OPTION_PROFILE, dest="kv_profile", default=None,
+                    help=f"Hypothesis profile: {', '.join(PROFILES)} (default {DEFAULT_PROFILE})")
+    group.addoption(OPTION_SEED, dest="kv_seed", type=int, default=None,
+                    help="Random seed (turns off the ci profile's derandomisation)")
+    group.addoption(OPTION_SCHEDULING, dest="kv_scheduling", default=None,
+                    help="Scheduling modes to draw engine configurations from: sync, async or both (default)")
+    group.addoption(OPTION_CALL_TIMEOUT, dest="kv_call_timeout", type=float, default=None,
+                    help="Seconds one adapter call may take before its outcome is reported unknown")
+    group.addoption(OPTION_REPORT, dest="kv_report", type=Path, default=None,
+                    help="Write the JSON report of the state-machine run here")
+    group.addoption(OPTION_JUNIT, dest="kv_junit", type=Path, default=None,
+                    help="Write a JUnit XML report here, one test case per clause")
+    group.addoption(OPTION_KNOWN_FAILURES, dest="kv_known_failures", type=Path, default=None,
+                    help="File of 'CLAUSE-ID: reason' lines: reported, not fatal; stale entries fail")
+    group.addoption(OPTION_CERTIFY, dest="kv_certify", action="store_true",
+                    help="Fail unless every run-time-checked MUST clause was exercised and passed")
 
 
 def adapter_spec(config: pytest.Config) -> str | None:
@@ -32,35 +75,57 @@ def adapter_spec(config: pytest.Config) -> str | None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "clause(id): the spec clause a test checks")
-    if adapter_spec(config) is None:
+    spec = adapter_spec(config)
+    if spec is None:
         return
-    from kvconform.conformance.profiles import PROFILES
+    from kvconform.conformance import options
 
-    if config.getoption("kv_profile") not in PROFILES:
-        raise pytest.UsageError(f"{OPTION_PROFILE}: unknown profile {config.getoption('kv_profile')!r}; "
-                                f"choose one of {', '.join(PROFILES)}")
+    given = {keyword: config.getoption(dest) for keyword, dest in PREPARE_ARGUMENTS.items()}
+    try:
+        config.stash[RUN_OPTIONS] = options.prepare(spec, **{k: v for k, v in given.items() if v is not None})
+    except options.UsageProblem as problem:
+        raise pytest.UsageError(f"kvconform: {problem}") from None
     if str(SUITE) not in config.args:
         config.args.append(str(SUITE))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    spec = adapter_spec(config)
-    if spec is None:
+    run = config.stash.get(RUN_OPTIONS, None)
+    if run is None:
         return []
     env = {k: v for k, v in os.environ.items() if k.startswith("KVCONFORM_")}
-    return [f"kvconform: adapter {spec}, profile {config.getoption('kv_profile')}, seed {config.getoption('kv_seed')}",
+    return [f"kvconform: adapter {run.adapter_spec} {run.implementation_version}, profile {run.profile}, "
+            f"seed {run.seed}, scheduling {run.scheduling}",
+            f"kvconform: capabilities {run.capabilities}",
             f"kvconform: environment {env}"]
 
 
-@pytest.fixture(scope="session")
-def kv_adapter_factory(pytestconfig: pytest.Config):
-    """The factory of the adapter under test, as chosen by --kv-adapter."""
-    from kvconform.adapters.registry import AdapterNotFound, resolve
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    run_report = config.stash.get(RUN_REPORT, None)
+    if run_report is None:
+        return
+    verdicts = [clause.verdict for clause in run_report.clauses]
+    counts = ", ".join(f"{verdicts.count(v)} {v}" for v in ("pass", "fail", "known failure", "not exercised"))
+    terminalreporter.section("kvconform")
+    terminalreporter.write_line(f"spec {run_report.spec_version}, adapter {run_report.adapter}: {counts} "
+                                f"({run_report.steps} steps compared)")
+    for clause, reason in sorted(run_report.known_failures.items()):
+        terminalreporter.write_line(f"known failure {clause}: {reason}")
+    run = config.stash[RUN_OPTIONS]
+    for path in (run.report_path, run.junit_path):
+        if path is not None:
+            terminalreporter.write_line(f"report written to {path}")
 
-    spec = adapter_spec(pytestconfig)
-    if spec is None:
+
+@pytest.fixture(scope="session")
+def kv_run_options(pytestconfig: pytest.Config) -> RunOptions:
+    """The checked options of the run, as chosen by --kv-adapter and the other --kv-* options."""
+    if RUN_OPTIONS not in pytestconfig.stash:
         raise pytest.UsageError(f"no adapter chosen: pass {OPTION_ADAPTER}=NAME|module:factory or set {ENV_ADAPTER}")
-    try:
-        return resolve(spec)
-    except AdapterNotFound as error:
-        raise pytest.UsageError(str(error)) from None
+    return pytestconfig.stash[RUN_OPTIONS]
+
+
+@pytest.fixture(scope="session")
+def kv_adapter_factory(kv_run_options: RunOptions):
+    """The factory of the adapter under test, as chosen by --kv-adapter."""
+    return kv_run_options.factory

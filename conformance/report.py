@@ -22,9 +22,11 @@ Verdict = Literal["pass", "fail", "not exercised", "known failure"]
 
 
 class ClauseResult(BaseModel):
-    id: str
-    level: str
-    chapter: str
+    """The verdict of one clause in one run."""
+
+    id: str = Field(description="the clause ID, e.g. OFF-READ-1")
+    level: str = Field(description="its requirement level: MUST, MUST NOT, SHOULD or MAY")
+    chapter: str = Field(description="the spec chapter file that defines it")
     verdict: Verdict
     exercised: int = Field(description="times a check compared an observation under this clause")
     checked_at_run_time: bool = Field(description="a registered check tests it; else only the reference's unit tests")
@@ -34,24 +36,26 @@ class ClauseResult(BaseModel):
 class RunReport(BaseModel):
     """One conformance run of one adapter."""
 
-    kvconform_version: str
-    spec_version: str
-    adapter: str
-    implementation_version: str
-    capabilities: Capabilities
-    profile: str
-    seed: int | None
-    scheduling: Scheduling
-    passed: bool
-    outcome: Outcome
-    seconds: float
+    kvconform_version: str = Field(description="the kvconform that ran")
+    spec_version: str = Field(description="the SemVer version of the spec the run judged by (spec/CHANGELOG.md)")
+    adapter: str = Field(description="the adapter as named on the command line: registered name or module:factory")
+    implementation_version: str = Field(description="what the adapter's implementation_version() returned")
+    capabilities: Capabilities = Field(description="what the adapter's capabilities() returned (CONF-CAP-1)")
+    profile: str = Field(description="the Hypothesis profile: ci, dev or thorough")
+    seed: int | None = Field(description="the --seed given, or None")
+    scheduling: Scheduling = Field(description="the scheduling modes drawn from")
+    passed: bool = Field(description="no failure: no clause broken beyond the known failures, none stale, no hang")
+    outcome: Outcome = Field(description="ok, fail, or info: unknown, an adapter call never returned (CONF-CALL-2)")
+    seconds: float = Field(description="wall-clock duration of the run")
+    rules: int = Field(description="state-machine rules run (Hypothesis's stateful steps), each one or more adapter calls")
     steps: int = Field(description="engine steps compared between the adapter and the reference")
-    failed_clause: str | None
-    message: str | None
-    counterexample: str | None
-    adapter_traceback: str | None
+    failed_clause: str | None = Field(description="the clause the run failed on")
+    message: str | None = Field(description="what was wrong, naming the adapter call that gave it")
+    counterexample: str | None = Field(description="the shrunk program of adapter calls that fails, as Python")
+    program: list[dict] | None = Field(None, description="the same program as JSON operations, for `kvconform replay`")
+    adapter_traceback: str | None = Field(description="the adapter's traceback, when it raised (CONF-CALL-1)")
     known_failures: dict[str, str] = Field(description="clause -> reason, from the known-failures file")
-    clauses: list[ClauseResult]
+    clauses: list[ClauseResult] = Field(description="one verdict per clause of the spec")
 
 
 def build(result: RunResult, implementation_version: str, capabilities: Capabilities,
@@ -71,8 +75,9 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
         seed=result.seed, scheduling=result.scheduling, passed=result.passed, outcome=result.outcome,
-        seconds=round(result.seconds, 3), steps=result.steps,
+        seconds=round(result.seconds, 3), rules=result.rules, steps=result.steps,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
+        program=result.program,
         adapter_traceback=result.adapter_traceback, known_failures=known_failures or {}, clauses=clauses,
     )
 

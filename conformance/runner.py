@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from hypothesis import reporting
-from hypothesis.errors import HypothesisException
+from hypothesis.errors import FlakyFailure, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.machine import Scheduling, Session, machine_for
-from kvconform.conformance.profiles import profile_settings
+from kvconform.conformance.execution import Scheduling, Session, render
+from kvconform.conformance.machine import machine_for
+from kvconform.conformance.profiles import PROFILES, Profile, profile_settings
+from kvconform.conformance.shrinker import Replay, Shrinker
 
 
 Outcome = Literal["ok", "fail", "info"]
@@ -34,11 +35,16 @@ class RunResult:
     passed: bool
     seconds: float
     scheduling: Scheduling = "both"
+    found_after: float | None = None
+    rules: int = 0
     steps: int = 0
+    adapter_seconds: float = 0.0
+    reference_seconds: float = 0.0
     coverage: dict[str, int] = field(default_factory=dict)
     failed_clause: str | None = None
     message: str | None = None
     counterexample: str | None = None
+    program: list[dict] | None = None
     adapter_traceback: str | None = None
     known_failures: dict[str, str] = field(default_factory=dict)
 
@@ -49,7 +55,7 @@ class RunResult:
     @property
     def counterexample_requests(self) -> int:
         """Return how many requests the shrunk counterexample adds."""
-        return (self.counterexample or "").count("state.add_request(RequestSpec(")
+        return (self.counterexample or "").count("adapter.add_request(")
 
 
 def run(
@@ -68,39 +74,66 @@ def run(
     machine = machine_for(session)
     if seed is not None:
         machine._hypothesis_internal_use_seed = seed
-    output = io.StringIO()
     started = time.perf_counter()
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
                        coverage=session.coverage)
     try:
-        with reporting.with_reporter(lambda text: output.write(f"{text}\n")):
+        with reporting.with_reporter(lambda text: None):  # the counterexample is the adapter's call program
             run_state_machine_as_test(machine, settings=profile_settings(profile, seed is not None))
     except ClauseViolation as violation:
-        result.passed = False
-        result.failed_clause = violation.clause
-        result.message = violation.detail
-        result.counterexample = _steps([*getattr(violation, "__notes__", []), output.getvalue()])
-        result.adapter_traceback = violation.adapter_traceback
+        result.found_after = time.perf_counter() - started
+        _failed(result, _shrunk(session, Replay(list(session.last_execution.program), violation), PROFILES[profile]),
+                session)
     except AdapterHung as hang:  # not shrunk: the unshrunk calls that led to the hang are the evidence
         result.passed = False
         result.failed_clause = hang.clause
         result.message = hang.detail
         result.counterexample = "\n".join(hang.trace)
     except HypothesisException as error:
-        result.passed = False
-        result.failed_clause = "CONF-RUN-1"
-        result.message = f"{type(error).__name__}: {error}"
+        violation = _not_replayed(error)
+        if violation is not None:
+            result.found_after = time.perf_counter() - started
+            _failed(result, Replay(list(session.last_execution.program), violation), session)
+        else:
+            result.passed = False
+            result.failed_clause = "CONF-RUN-1"
+            result.message = f"{type(error).__name__}: {error}"
     result.known_failures = dict(baseline.seen)
     if result.passed and baseline.stale():
         result.passed = False
         result.failed_clause = "CONF-RUN-2"
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
-    result.steps = session.steps
+    result.rules, result.steps = session.rules, session.steps
+    result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
     return result
 
 
-def _steps(reports: list[str]) -> str:
-    """Keep the replayable program from Hypothesis's report: the `state...` lines, one per call."""
-    lines = [line.strip() for text in reports for line in text.splitlines()]
-    return "\n".join(line for line in lines if line.startswith("state") and "data=data(" not in line)
+def _failed(result: RunResult, failing: Replay, session: Session) -> None:
+    """Record a failure; before the engine started, the calls that failed stand for the program."""
+    result.passed = False
+    result.failed_clause = failing.violation.clause
+    result.message = failing.violation.detail
+    result.counterexample = render(failing.program) or "\n".join(session.last_execution.caller.trace)
+    result.program = [call.to_json() for call in failing.program]
+    result.adapter_traceback = failing.violation.adapter_traceback
+
+
+def _not_replayed(error: HypothesisException) -> ClauseViolation | None:
+    """Return the clause violation of an example Hypothesis could not make fail again, if that is what `error` is.
+
+    The same calls passed when replayed: the adapter under test is not deterministic (CONF-RUN-3).
+    """
+    if not isinstance(error, FlakyFailure):
+        return None
+    violation = next((e for e in error.exceptions if isinstance(e, ClauseViolation)), None)
+    if violation is not None:
+        violation.detail += " (it did not happen again when the same calls were replayed: the adapter is not deterministic)"
+    return violation
+
+
+def _shrunk(session: Session, failing: Replay, profile: Profile) -> Replay:
+    """Return the failing program shrunk within the profile's budget (CONF-RUN-3)."""
+    if not failing.program:
+        return failing
+    return Shrinker(session, session.last_execution.capabilities, profile.shrink_seconds).shrink(failing)

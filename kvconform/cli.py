@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import json
 import sys
 from pathlib import Path
 
@@ -11,7 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvconform.conformance import options
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
+from kvconform.conformance.profiles import PROFILES
 
 EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -29,92 +31,44 @@ def main() -> None:
 @click.option("--seed", type=int, default=None, help="Random seed (turns off the ci profile's derandomisation)")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the JSON report here")
-@click.option("--call-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_CALL_TIMEOUT,
-              show_default=True, help="Seconds one adapter call may take before its outcome is reported unknown")
+@click.option("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT, show_default=True,
+              help="Seconds one adapter call may take before its outcome is reported unknown")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a JUnit XML report here, one test case per clause")
 @click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="File of 'CLAUSE-ID: reason' lines: reported, not fatal; stale entries fail")
 @click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
-@click.option("--scheduling", type=click.Choice(["sync", "async", "both"]), default="both", show_default=True,
+@click.option("--scheduling", type=click.Choice(options.SCHEDULINGS), default="both", show_default=True,
               help="Scheduling modes to draw engine configurations from")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
-    from kvconform.conformance import baseline, report, runner
-    from kvconform.conformance.profiles import PROFILES
-
     console = Console(stderr=True)
-    if profile not in PROFILES:
-        _usage_error(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    for path in (report_path, junit_path):
-        if path is not None:
-            _check_writable(path)
-    known = baseline.Baseline()
-    if known_failures_path is not None:
-        try:
-            known = baseline.load(known_failures_path)
-        except baseline.BaselineError as error:
-            _usage_error(str(error))
-    factory, capabilities, version = _probe(adapter_spec, call_timeout)
-    if scheduling == "async" and not capabilities.async_scheduling:
-        _usage_error(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
-    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {version}, profile {profile}, seed {seed}, "
-                  f"scheduling {scheduling}")
-    examples = PROFILES[profile]["max_examples"]
+    try:
+        run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
+                              call_timeout=call_timeout, known_failures_path=known_failures_path,
+                              report_path=report_path, junit_path=junit_path, certify=certify)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
+                  f"seed {seed}, scheduling {scheduling}")
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
-            task = progress.add_task("examples", total=examples)
-            result = runner.run(factory, adapter_spec, profile, seed,
-                                on_example=lambda: progress.advance(task), call_timeout=call_timeout,
-                                baseline=known, scheduling=scheduling)
+            task = progress.add_task("examples", total=PROFILES[profile].max_examples)
+            run_report = options.run(run, on_example=lambda: progress.advance(task))
     except KeyboardInterrupt:
         click.echo("kvconform: interrupted; no report written", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    run_report = report.build(result, version, capabilities, known.entries)
-    _print_table(Console(), run_report)
-    for path, text in ((report_path, run_report.model_dump_json(indent=2)), (junit_path, report.junit_xml(run_report))):
-        if path is not None:
-            try:
-                report.write_atomically(path, text)
-            except OSError as error:
-                _usage_error(f"cannot write the report to {path}: {error.strerror or error}")
-    gaps = report.certification_gaps(run_report) if certify else []
+    _print_table(_stdout(), run_report)
+    try:
+        options.write_reports(run, run_report)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    gaps = options.certification_gaps(run, run_report)
     for gap in gaps:
         click.echo(f"kvconform: not certified: {gap}", err=True)
-    sys.exit(EXIT_CONFORMANT if result.passed and not gaps else EXIT_NONCONFORMANT)
-
-
-def _check_writable(path: Path) -> None:
-    """Exit 2 before a long run whose report could not be written."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        _usage_error(f"cannot write the report to {path}: {error.strerror or error}")
-    if not os.access(path.parent, os.W_OK):
-        _usage_error(f"cannot write the report to {path}: directory {path.parent} is not writable")
-
-
-def _probe(adapter_spec: str, call_timeout: float):
-    """Return the adapter's factory, capabilities and version, or exit 2 when it cannot even be asked."""
-    from kvconform.adapters.registry import AdapterNotFound, resolve
-    from kvconform.conformance.calls import AdapterCaller, AdapterHung
-    from kvconform.conformance.checks import ClauseViolation
-
-    caller = AdapterCaller(call_timeout)
-    try:
-        factory = resolve(adapter_spec)
-        caller.build(factory)
-        capabilities, version = caller("capabilities"), caller("implementation_version")
-        caller("close")
-    except AdapterNotFound as error:
-        _usage_error(str(error))
-    except (ClauseViolation, AdapterHung) as error:
-        if isinstance(error.__cause__, AdapterNotFound):
-            _usage_error(str(error.__cause__))
-        _usage_error(f"adapter {adapter_spec!r} cannot be used: {error.detail}")
-    return factory, capabilities, version
+    sys.exit(EXIT_CONFORMANT if run_report.passed and not gaps else EXIT_NONCONFORMANT)
 
 
 def _print_table(console: Console, run_report) -> None:
@@ -140,9 +94,130 @@ def _print_table(console: Console, run_report) -> None:
         console.print(run_report.adapter_traceback, markup=False, highlight=False)
 
 
+def _stdout() -> Console:
+    """Return the console for results: as wide as the terminal, or wide enough for the tables when piped."""
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def _usage_error(message: str) -> None:
     click.echo(f"kvconform: error: {message}", err=True)
     sys.exit(EXIT_USAGE)
+
+
+@main.command("replay")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--adapter", "adapter_spec", default="reference", show_default=True,
+              help="Registered adapter name or module:factory")
+@click.option("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT, show_default=True,
+              help="Seconds one adapter call may take before its outcome is reported unknown")
+def replay_command(path: Path, adapter_spec: str, call_timeout: float) -> None:
+    """Run a counterexample again: the program of a JSON report (or a JSON list of operations) on an adapter."""
+    from kvconform.conformance.execution import Call, ProgramError, Session, render, replay
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        operations = data.get("program") if isinstance(data, dict) else data
+        if not isinstance(operations, list):
+            raise ProgramError("expected a report with a 'program' or a list of operations")
+        program = [Call.from_json(operation) for operation in operations]
+        run = options.prepare(adapter_spec, call_timeout=call_timeout)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ProgramError) as error:
+        _usage_error(f"cannot replay {path}: {error}")
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    replayed = replay(Session(run.factory, call_timeout), program)
+    stdout = _stdout()
+    stdout.print(render(replayed.program), markup=False, highlight=False, soft_wrap=True)
+    if replayed.violation is None:
+        stdout.print(f"[green]passes[/] on {adapter_spec}: {len(replayed.program)} calls, no clause violated")
+        sys.exit(EXIT_CONFORMANT)
+    stdout.print(f"[bold red]NOT conformant[/]: {replayed.violation.clause}: {replayed.violation.detail}")
+    sys.exit(EXIT_NONCONFORMANT)
+
+
+@main.command("mutants")
+@click.option("--profile", type=click.Choice(sorted(PROFILES)), default="ci", show_default=True,
+              help="Profile to run the reference and each mutant under")
+@click.option("--seed", type=int, default=None, help="Random seed (turns off the ci profile's derandomisation)")
+@click.option("--only", default=None, help="Comma-separated mutant names (default: the whole catalogue)")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the JSON kill report here")
+def mutants_command(profile: str, seed: int | None, only: str | None, report_path: Path | None) -> None:
+    """Run the kit against the reference and every mutant of the bug catalogue; fail if one survives."""
+    from kvconform.conformance.mutants import MUTANTS
+    from kvconform.conformance.mutants.kills import kill_all
+    from kvconform.conformance.report import write_atomically
+
+    names = sorted(MUTANTS) if only is None else [name.strip() for name in only.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(MUTANTS))
+    if unknown or not names:
+        _usage_error(f"unknown mutant(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(sorted(MUTANTS))}")
+    if report_path is not None:
+        try:
+            options.check_writable(report_path)
+        except options.UsageProblem as problem:
+            _usage_error(str(problem))
+    console = Console(stderr=True)
+    console.print(f"kvconform: the reference and {len(names)} mutant(s), profile {profile}, seed {seed}")
+    report = kill_all(names, profile, seed, on_kill=lambda kill: console.print(
+        f"  {kill.mutant}: {kill.verdict} ({kill.failed_clause or 'no failure'}) in {kill.seconds:.1f}s"))
+    table = Table(title=f"kvconform spec {report.spec_version}: mutants, profile {profile}")
+    for column in ("mutant", "vLLM", "verdict", "clause", "found after", "time to kill", "requests", "calls"):
+        table.add_column(column)
+    style = {"killed": "green", "killed by another clause": "yellow", "survived": "bold red"}
+    for kill in report.kills:
+        found = "" if kill.found_after is None else f"{kill.found_after:.1f}s"
+        table.add_row(kill.mutant, kill.vllm_ref, f"[{style[kill.verdict]}]{kill.verdict}[/]", kill.failed_clause or "",
+                      found, f"{kill.seconds:.1f}s", str(kill.requests), str(kill.calls))
+    stdout = _stdout()
+    stdout.print(table)
+    killed = sum(kill.verdict == "killed" for kill in report.kills)
+    stdout.print(f"reference {'passed' if report.reference_passed else 'FAILED: ' + report.reference_failure}; "
+                    f"{killed}/{len(report.kills)} mutants killed by a clause their row names")
+    if report_path is not None:
+        write_atomically(report_path, report.model_dump_json(indent=2))
+    sys.exit(EXIT_CONFORMANT if report.passed else EXIT_NONCONFORMANT)
+
+
+@main.command("bench")
+@click.option("--only", default=None, metavar="NAMES",
+              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling (default: all)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("kvconform-bench.json"), show_default=True, help="Write every figure as JSON here")
+@click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Seeds per mutant in the counterexample benchmark")
+@click.option("--mutants", default=None, metavar="NAMES",
+              help="Comma-separated mutants for the counterexample benchmark (default: the whole catalogue)")
+def bench_command(only: str | None, json_path: Path, seeds: int, mutants: str | None) -> None:
+    """Measure harness throughput, time to counterexample, transfer bandwidth and scaling; print a table."""
+    import dataclasses
+
+    from kvconform.benchmarks import figures, suite
+    from kvconform.conformance import report
+
+    try:
+        benchmarks = suite.pick_benchmarks(only)
+        settings = suite.Settings(counterexample=dataclasses.replace(
+            suite.Settings().counterexample, seeds=seeds, mutants=suite.pick_mutants(mutants)))
+    except suite.SelectionError as error:
+        _usage_error(str(error))
+    try:
+        options.check_writable(json_path)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    progress = Console(stderr=True)
+    try:
+        bench_report = suite.run(benchmarks, settings, lambda line: progress.print(line, highlight=False))
+    except KeyboardInterrupt:
+        click.echo("kvconform: interrupted; no report written", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    _stdout().print(figures.table(bench_report))
+    try:
+        report.write_atomically(json_path, bench_report.model_dump_json(indent=2))
+    except OSError as error:
+        _usage_error(f"cannot write the report to {json_path}: {error.strerror or error}")
+    click.echo(f"kvconform: {len(bench_report.figures)} figures in {bench_report.seconds:.0f} s, "
+               f"written to {json_path}", err=True)
 
 
 @main.command("adapters")

@@ -146,7 +146,7 @@ class OffloadConnectorScheduler:
         max_hit = min(request.num_tokens, len(keys) * block)
         if max_hit - state.num_local_tokens < block:
             return 0
-        start = state.num_local_tokens // block
+        start = self.first_lookup(state)
         hits, deferred = 0, False
         for index in range(start, cdiv(max_hit, block)):
             self.recorder.lookups.setdefault(request.request_id, []).append(index)
@@ -166,6 +166,10 @@ class OffloadConnectorScheduler:
             return None
         return num_hit_tokens
 
+    def first_lookup(self, state: RequestOffloadState) -> int:
+        """Return the offloaded block the lookup starts at: the one holding the local hit's end (OFF-LOOKUP-1)."""
+        return state.num_local_tokens // self.offloaded_block_size
+
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Create the load job for the external hit into the request's pending GPU blocks (CONN-ALLOC-1, XFER-LOAD-2)."""
         if num_external_tokens == 0:
@@ -176,13 +180,19 @@ class OffloadConnectorScheduler:
         num_gpu = cdiv(num_cached, self.block_size)
         indices = list(range(first_gpu // self.factor, cdiv(num_cached, self.offloaded_block_size)))
         keys = [self.offload_keys(request)[index] for index in indices]
-        slot_of = dict(zip(indices, self.manager.prepare_load(keys)))
-        rows = [slot_of[p // self.factor] * self.factor + p % self.factor for p in range(first_gpu, num_gpu)]
+        rows = self.load_rows(dict(zip(indices, self.manager.prepare_load(keys))), first_gpu, num_gpu)
         job = self._new_job(state, False, indices, keys, list(block_ids[first_gpu:num_gpu]), rows)
         state.next_stored_index = cdiv(num_cached, self.offloaded_block_size)  # OFF-STORE-1: the hit is stored
         self.pending_loads.append(job)
         self.keys_being_loaded.update(keys)
         self.recorder.loads.append((request.request_id, indices, first_gpu, num_gpu - first_gpu))
+
+    def load_rows(self, slot_of: dict[int, int], first_gpu: int, num_gpu: int) -> list[int]:
+        """Return the store rows that logical GPU blocks `first_gpu .. num_gpu-1` load from (XFER-LOAD-1).
+
+        GPU block `p` is position `p % f` of offloaded block `p // f`, also when the load starts inside it.
+        """
+        return [slot_of[p // self.factor] * self.factor + p % self.factor for p in range(first_gpu, num_gpu)]
 
     def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
         """Return this step's loads, stores and flushes (CONN-STEP-3, LIFE-FREE-2)."""
@@ -211,7 +221,7 @@ class OffloadConnectorScheduler:
             state = self.states.get(request_id)
             if state is not None:
                 request = state.request
-                yield state, min(request.num_computed_tokens + num_scheduled, request.num_tokens), output.block_ids[request_id]
+                yield state, self.offloadable_tokens(request, num_scheduled), output.block_ids[request_id]
         for request_id in output.finished_request_ids:
             state = self.states.get(request_id)
             if state is not None and state.finish_offer_due:
@@ -251,6 +261,14 @@ class OffloadConnectorScheduler:
                     flush.add(job.job_id)
             jobs.append(job)
         return jobs
+
+    @staticmethod
+    def offloadable_tokens(request: Request, num_scheduled: int) -> int:
+        """Return the request's tokens that are computed once this step's are: they may be offloaded (OFF-STORE-1).
+
+        With async scheduling the token still in flight is not counted yet, so decoded blocks lag a step.
+        """
+        return min(request.num_computed_tokens + num_scheduled, request.num_tokens)
 
     def _store_job(self, state: RequestOffloadState, block_ids: list[int], indices: list[int],
                    offered: list[OffloadKey], keys_to_store: list[OffloadKey], slots: list[int]) -> TransferJob:
@@ -311,12 +329,16 @@ class OffloadConnectorScheduler:
             del self.states[request.request_id]
             return False
         state.finished = True
+        self.flush_stores_before_reuse(state)
+        return any(not self.jobs[job_id].is_store for job_id in state.transfer_jobs)
+
+    def flush_stores_before_reuse(self, state: RequestOffloadState) -> None:
+        """Remember the GPU blocks a finished request's pending stores read, to flush them before reuse (LIFE-FREE-2)."""
         for job_id in state.transfer_jobs:
             job = self.jobs[job_id]
             if job.is_store:
                 for block_id in job.gpu_blocks:
                     self.store_jobs_by_gpu_block.setdefault(block_id, set()).add(job_id)
-        return any(not self.jobs[job_id].is_store for job_id in state.transfer_jobs)
 
     def reset_cache(self) -> None:
         """Empty the store; in-flight jobs are flushed and their completions ignored (OFF-MGR-8)."""
@@ -364,11 +386,15 @@ class OffloadConnectorWorker:
 
     def _finish(self, job: TransferJob, success: bool) -> None:
         if success:
-            if job.is_store:
-                self.transfer.copy_to_store(job.gpu_blocks, job.rows)
-            else:
-                self.transfer.copy_to_gpu(job.rows, job.gpu_blocks)
+            self.copy(job)
         self.finished[job.job_id] = success
+
+    def copy(self, job: TransferJob) -> None:
+        """Move a job's bytes: its GPU blocks into its store rows, or back (XFER-COPY-1)."""
+        if job.is_store:
+            self.transfer.copy_to_store(job.gpu_blocks, job.rows)
+        else:
+            self.transfer.copy_to_gpu(job.rows, job.gpu_blocks)
 
     def store_sources_in_flight(self) -> set[int]:
         """Return the GPU blocks that in-flight stores will still read (XFER-SAFE-1)."""

@@ -202,7 +202,7 @@ class Engine:
             self._process(previous)
 
     def _computed_tokens(self) -> dict[str, int]:
-        return {rid: r.num_computed_tokens for rid, r in self.requests.items() if not r.is_finished}
+        return {r.request_id: r.num_computed_tokens for r in (*self.waiting, *self.running)}
 
     def _schedule(self) -> SchedulerOutput:
         """Schedule running requests first, then waiting ones, within the token budget (SCHED-ORDER-1)."""
@@ -248,8 +248,7 @@ class Engine:
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int], hit: set[int]) -> int:
         """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1)."""
-        loaded = [request for request in self.waiting if request.request_id in self.loads_done]
-        self.waiting = loaded + [request for request in self.waiting if request not in loaded]  # SCHED-ORDER-1
+        self.order_waiting()
         for request in list(self.waiting):
             if budget == 0:
                 break
@@ -297,6 +296,9 @@ class Engine:
         """Return the blocks that in-flight prefills still need to hold their full sequence (SCHED-ADMIT-1)."""
         return sum(max(-(-self.requests[r].num_tokens // self.config.block_size) - len(self.kv.blocks_of(r)), 0)
                    for r in self.inflight_prefills)
+    def order_waiting(self) -> None:
+        """Put the waiting requests that hold GPU blocks (admitted with a load) first, in queue order (SCHED-ORDER-1)."""
+        self.waiting.sort(key=lambda request: not self.kv.blocks_of(request.request_id))
 
     def _finish_load(self, request: Request, success: bool) -> None:
         """Make a finished load's tokens computed, or fall back to the local hit (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""
@@ -351,6 +353,11 @@ class Engine:
                 sampled[request_id] = kv_content.next_token(states[end - 1])
         return sampled, writes
 
+    @staticmethod
+    def reached_end(request: Request) -> bool:
+        """Return True once a request has its `max_tokens` outputs: it finishes (LIFE-FIN-1)."""
+        return len(request.output) >= request.max_tokens
+
     def _process(self, batch: Batch) -> None:
         """Apply a batch's sampled tokens and connector output (SCHED-STEP-1, CONN-STEP-4)."""
         if self.config.async_scheduling and batch.output.num_scheduled_tokens:
@@ -363,7 +370,7 @@ class Engine:
                 continue
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             request.append_output(token)  # also for a request preempted meanwhile (LIFE-PREEMPT-1)
-            if len(request.output) >= request.max_tokens:
+            if self.reached_end(request):
                 (self.running if request in self.running else self.waiting).remove(request)
                 self._finish(request, RequestStatus.FINISHED)
         update = self.connector.update_connector_output(batch.connector_output)

@@ -21,7 +21,8 @@ class BlockPool:
             raise InvalidCall("PFX-NULL-1", f"num_gpu_blocks must be >= 2, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_hash: dict[int, BlockHash] = {}
+        """Block → the hash it was cached under; only cached blocks are keys, so a reset is O(cached)."""
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[BlockHash, dict[int, None]] = {}
 
@@ -60,7 +61,7 @@ class BlockPool:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_queue[block_id] = None
-                if self.block_hash[block_id] is None:
+                if block_id not in self.block_hash:
                     uncached.append(block_id)
         for block_id in reversed(uncached):
             self.free_queue.move_to_end(block_id, last=False)
@@ -75,7 +76,7 @@ class BlockPool:
 
     def cache(self, block_id: int, block_hash: BlockHash) -> None:
         """Register a full, computed block under its hash, after any block already holding it (PFX-HIT-2)."""
-        if self.block_hash[block_id] is None:
+        if block_id not in self.block_hash:
             self.block_hash[block_id] = block_hash
             self.cached.setdefault(block_hash, {})[block_id] = None
 
@@ -87,15 +88,13 @@ class BlockPool:
         """Forget every cached hash; refused unless every block is free (PFX-RESET-1)."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
-        for block_id in range(self.num_blocks):
-            self.block_hash[block_id] = None
+        self.block_hash.clear()
         self.cached.clear()
         return True
 
     def _uncache(self, block_id: int) -> None:
-        block_hash = self.block_hash[block_id]
+        block_hash = self.block_hash.pop(block_id, None)
         if block_hash is not None:
-            self.block_hash[block_id] = None
             holders = self.cached[block_hash]
             del holders[block_id]
             if not holders:

@@ -6,6 +6,7 @@ prefix up to and including it (XFER-DATA-1), so any block's bytes can be checked
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ VOCAB_SIZE = 4
 _MASK = (1 << 31) - 1
 _MULTIPLIER = 1_000_003
 _ELEMENT_PRIME = 65_521
+_ELEMENT_MULTIPLIER = 2_654_435_761
 
 
 def initial_state(lora_name: str | None, cache_salt: str | None) -> int:
@@ -41,8 +43,21 @@ def next_token(state: int) -> int:
 
 
 def kv_values(states: Sequence[int], token_width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Return the KV rows `[len(states), token_width]` that a forward writes for these tokens (XFER-DATA-1)."""
-    base = torch.tensor(states, dtype=torch.int64).unsqueeze(1)
-    offsets = torch.arange(token_width, dtype=torch.int64).unsqueeze(0)
-    mixed = ((base + offsets) * 2_654_435_761) % _ELEMENT_PRIME
-    return (mixed.to(torch.float32) / _ELEMENT_PRIME).to(dtype)
+    """Return the KV rows `[len(states), token_width]` that a forward writes for these tokens (XFER-DATA-1).
+
+    Element `j` of the row of a token whose chain state is `s` is `((s + j) * M mod P) / P`, written as
+    `(s·M mod P + j·M mod P) mod P`, looked up in a table of the `P` possible values.
+    """
+    rows = torch.tensor([state * _ELEMENT_MULTIPLIER % _ELEMENT_PRIME for state in states], dtype=torch.int64)
+    rows = rows.unsqueeze(1)
+    return _element_values(dtype)[(rows + _column_residues(token_width)) % _ELEMENT_PRIME]
+
+
+@functools.cache
+def _column_residues(token_width: int) -> torch.Tensor:
+    return torch.arange(token_width, dtype=torch.int64) * _ELEMENT_MULTIPLIER % _ELEMENT_PRIME
+
+
+@functools.cache
+def _element_values(dtype: torch.dtype) -> torch.Tensor:
+    return (torch.arange(_ELEMENT_PRIME, dtype=torch.float32) / _ELEMENT_PRIME).to(dtype)

@@ -6,6 +6,7 @@ the block hash of its last GPU block (OFF-KEY-1).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ class LRUPolicy:
 
     def evict(self, count: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, StoredBlock]] | None:
         """Return `count` victims in LRU order, skipping `protected`; None (and no change) if short."""
-        victims = [(key, self.blocks[key]) for key in self.evictable if key not in protected][:count]
+        candidates = ((key, self.blocks[key]) for key in self.evictable if key not in protected)
+        victims = list(itertools.islice(candidates, count))
         if len(victims) < count:
             return None
         for key, _ in victims:

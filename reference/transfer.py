@@ -6,7 +6,7 @@ pinned CPU memory; otherwise both live on the CPU. One code path serves both (XF
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -51,22 +51,24 @@ class TransferEngine:
         return [slot * self.factor + position for position in range(first, first + count)]
 
     def copy_to_store(self, gpu_blocks: Sequence[int], rows: Sequence[int]) -> None:
-        """Copy GPU blocks into store rows as one batched gather and scatter (XFER-COPY-1)."""
+        """Copy GPU blocks into store rows (XFER-COPY-1)."""
         self._check_pairing(gpu_blocks, rows)
-        source = self.gpu.index_select(0, self._index(gpu_blocks, self.device))
-        self.store.index_copy_(0, self._index(rows, self.store.device), source.to(self.store.device))
+        copy_blocks(self.store, rows, self.gpu, gpu_blocks)
 
     def copy_to_gpu(self, rows: Sequence[int], gpu_blocks: Sequence[int]) -> None:
-        """Copy store rows into GPU blocks as one batched gather and scatter (XFER-COPY-1)."""
+        """Copy store rows into GPU blocks (XFER-COPY-1)."""
         self._check_pairing(gpu_blocks, rows)
-        source = self.store.index_select(0, self._index(rows, self.store.device))
-        self.gpu.index_copy_(0, self._index(gpu_blocks, self.device), source.to(self.device, non_blocking=True))
+        copy_blocks(self.gpu, gpu_blocks, self.store, rows)
 
     def write_tokens(self, gpu_blocks: Sequence[int], first_position: int, values: torch.Tensor) -> None:
-        """Write KV rows for consecutive token positions starting at `first_position` (XFER-DATA-1)."""
-        positions = torch.arange(first_position, first_position + len(values))
-        blocks = self._index(gpu_blocks, torch.device("cpu"))[positions // self.block_size]
-        self.gpu[blocks.to(self.device), (positions % self.block_size).to(self.device)] = values.to(self.device)
+        """Write KV rows for consecutive token positions starting at `first_position`, block by block (XFER-DATA-1)."""
+        values = values.to(self.device)
+        written = 0
+        while written < len(values):
+            block, offset = divmod(first_position + written, self.block_size)
+            count = min(self.block_size - offset, len(values) - written)
+            self.gpu[gpu_blocks[block], offset : offset + count] = values[written : written + count]
+            written += count
 
     def read_tokens(self, gpu_blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
         """Return the KV rows of a request's first `num_tokens` tokens, as stored in its GPU blocks."""
@@ -79,9 +81,35 @@ class TransferEngine:
         """One store row per GPU block, each in range; block 0 is the null block (XFER-COPY-1, PFX-NULL-1)."""
         if len(gpu_blocks) != len(rows):
             raise InvalidCall("XFER-COPY-1", f"{len(gpu_blocks)} GPU blocks paired with {len(rows)} store rows")
-        if any(not 0 < block < len(self.gpu) for block in gpu_blocks) or any(not 0 <= row < len(self.store) for row in rows):
+        num_gpu_blocks, num_rows = len(self.gpu), len(self.store)
+        if any(not 0 < block < num_gpu_blocks for block in gpu_blocks) or any(not 0 <= row < num_rows for row in rows):
             raise InvalidCall("XFER-COPY-1", f"GPU blocks {list(gpu_blocks)} or store rows {list(rows)} out of range")
 
     @staticmethod
     def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.as_tensor(list(ids), dtype=torch.int64, device=device)
+
+
+def copy_blocks(target: torch.Tensor, target_ids: Sequence[int],
+                source: torch.Tensor, source_ids: Sequence[int]) -> None:
+    """Copy block `source[source_ids[i]]` into `target[target_ids[i]]` for every i (XFER-COPY-1).
+
+    Each run of pairs whose ids are consecutive on both sides is contiguous in both tensors, so it
+    moves as one plain copy, with no intermediate tensor. Copies from the GPU into pinned CPU memory
+    are asynchronous; they are all awaited before returning, so the bytes are in place when it returns.
+    """
+    for target_first, source_first, length in consecutive_runs(target_ids, source_ids):
+        target[target_first : target_first + length].copy_(source[source_first : source_first + length],
+                                                           non_blocking=True)
+    if source.is_cuda and not target.is_cuda:
+        torch.cuda.synchronize(source.device)
+
+
+def consecutive_runs(first_ids: Sequence[int], second_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Yield `(first_id, second_id, length)` for each maximal stretch where both id lists go up by one."""
+    start = 0
+    for end in range(1, len(first_ids) + 1):
+        if (end == len(first_ids) or first_ids[end] != first_ids[end - 1] + 1
+                or second_ids[end] != second_ids[end - 1] + 1):
+            yield first_ids[start], second_ids[start], end - start
+            start = end

@@ -16,6 +16,7 @@ from kvconform.adapters.contract import (
     BlockRef,
     Capabilities,
     ImplementationFailure,
+    RequestSpec,
     ResourceUsage,
     StepObservation,
     StoreJob,
@@ -71,6 +72,30 @@ def evicted_unknown(observation: StepObservation) -> StepObservation:
     return observation.model_copy(update={"evicted": (BlockRef(request_id="ghost", index=0),)})
 
 
+def answers_past_prompt(observation: StepObservation) -> StepObservation:
+    answers = tuple(a.model_copy(update={"external_tokens": 10_000, "load_async": True}) for a in observation.match_answers)
+    return observation.model_copy(update={"match_answers": answers})
+
+
+def unfinished_forever(usage: ResourceUsage) -> ResourceUsage:
+    return usage.model_copy(update={"unfinished_requests": usage.unfinished_requests + 1})
+
+
+class AnswersSkipReadRequests(ReferenceAdapter):
+    """Reports a 4-token asynchronous hit for every skip-read request it is asked about, without looking it up."""
+
+    def add_request(self, request: RequestSpec) -> None:
+        super().add_request(request)
+        if request.skip_reading_prefix_cache:
+            self.skipping = getattr(self, "skipping", set()) | {request.request_id}
+
+    def step(self) -> StepObservation:
+        observation = super().step()
+        answers = tuple(a.model_copy(update={"external_tokens": 4, "load_async": True})
+                        if a.request_id in getattr(self, "skipping", set()) else a for a in observation.match_answers)
+        return observation.model_copy(update={"match_answers": answers})
+
+
 FAULTS: dict[str, tuple[Callable[[], Any], str, str]] = {
     "step-raises": (faulty("step", raising), "CONF-CALL-1", "adapter.step()"),
     "step-exits": (faulty("step", exiting), "CONF-CALL-1", "adapter.step()"),
@@ -91,6 +116,10 @@ FAULTS: dict[str, tuple[Callable[[], Any], str, str]] = {
     "capabilities-inconsistent": (
         faulty("capabilities", lambda c: Capabilities.model_construct(**{**dict(c), "eviction_policies": ()}), after=0),
         "CONF-OBS-1", "at least one eviction policy"),
+    "step-answers-past-prompt": (faulty("step", answers_past_prompt, after=0), "CONN-MATCH-3", "exceeds the request's"),
+    "skip-read-answered": (AnswersSkipReadRequests, "OFF-READ-2", "skip-read request answered"),
+    "resource-usage-unfinished": (faulty("resource_usage", unfinished_forever, after=0), "LIFE-LIVE-1",
+                                  "still unfinished"),
     "step-hangs": (faulty("step", hanging), "CONF-CALL-2", "adapter.step()"),
     "store-contents-hangs": (faulty("store_contents", hanging), "CONF-CALL-2", "adapter.store_contents()"),
 }

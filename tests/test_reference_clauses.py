@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from kvconform.adapters.contract import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation
 from kvconform.conformance import runner
 from kvconform.conformance.checks import ClauseViolation, Context
-from kvconform.conformance.machine import ConnectorStateMachine, engine_configs
+from kvconform.conformance.execution import Execution, Session
+from kvconform.conformance.machine import engine_configs
 from kvconform.reference import kv_content
 from kvconform.reference.connector import (
     ConnectorMetadata,
@@ -579,6 +580,19 @@ def test_transfer_round_trip_bytes_equal(dtype):
         TransferEngine(2, 1, 4, 1, 8, "int8", CPU)
 
 
+def test_transfer_pairs_scattered_blocks():
+    """XFER-COPY-1: blocks in mixed runs and out of order each land in their paired row, and back."""
+    transfer = TransferEngine(9, 8, 4, 1, 8, "float16", CPU)
+    transfer.gpu[1:] = torch.rand(8, 4, 8).to(transfer.gpu.dtype)
+    gpu_blocks, rows = [3, 4, 5, 1, 8, 7, 2, 6], [0, 1, 2, 6, 3, 4, 7, 5]
+    transfer.copy_to_store(gpu_blocks, rows)
+    assert all(torch.equal(transfer.store[row], transfer.gpu[block]) for block, row in zip(gpu_blocks, rows))
+    original = transfer.gpu.clone()
+    transfer.gpu.zero_()
+    transfer.copy_to_gpu(rows, gpu_blocks)
+    assert torch.equal(transfer.gpu[1:], original[1:])
+
+
 def test_kv_content_deterministic():
     """XFER-DATA-1: KV bytes depend only on the extra keys and the token prefix."""
     states = kv_content.token_states(kv_content.initial_state(None, None), PROMPT)
@@ -644,6 +658,45 @@ def test_loaded_request_considered_before_preempted(engine):
                               ("r3", {"cache_salt": "a"}), ("r4", {})]:
         e.add_request(RequestSpec(request_id=request_id, prompt=prompt[:12] if request_id == "r1" else prompt, **extra))
     for _ in range(40):
+        e.complete_transfers(False, False)
+        e.step()
+    assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
+
+
+def test_block_holders_first_in_every_step(engine):
+    """SCHED-ORDER-1: a loaded request that could not fit stays ahead of a preempted one in later steps too."""
+    e = engine(num_gpu_blocks=12, block_size_factor=2, num_offload_blocks=2, eviction_policy="arc",
+               max_num_batched_tokens=16)
+    prompt = (0, 2) * 6 + (0,) * 8
+    e.add_request(RequestSpec(request_id="r0", prompt=prompt))
+    for _ in range(2):
+        e.complete_transfers(False, False)
+        e.step()
+    assert e.reset_prefix_cache()
+    e.add_request(RequestSpec(request_id="r1", prompt=prompt))
+    e.add_request(RequestSpec(request_id="r2", prompt=prompt))
+    e.add_request(RequestSpec(request_id="r3", prompt=prompt + (0,) * 6, max_tokens=4, skip_reading_prefix_cache=True))
+    for _ in range(30):
+        e.complete_transfers(False, False)
+        e.step()
+    assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
+
+
+def test_two_loads_never_deadlock(engine):
+    """SCHED-ADMIT-1: an admission with a load leaves free the blocks an earlier load's request still needs, so two
+    loads never wait for each other's blocks (found by the state machine as LIFE-LIVE-1; vLLM #45388)."""
+    e = engine(num_gpu_blocks=16, block_size_factor=1, num_offload_blocks=12, max_num_batched_tokens=256)
+    e.add_request(RequestSpec(request_id="short", prompt=(0, 2) * 6, cache_salt="b"))
+    e.add_request(RequestSpec(request_id="head", prompt=(0, 2) * 2, cache_salt="a"))
+    for _ in range(4):
+        e.complete_transfers(False, False)
+        e.step()
+    assert e.reset_prefix_cache()
+    e.add_request(RequestSpec(request_id="long", prompt=(0, 2) * 20 + (0, 1, 2, 3, 3, 1, 0, 0, 0), cache_salt="a"))
+    e.add_request(RequestSpec(request_id="again", prompt=(0, 2) * 6, cache_salt="b"))
+    assert e.step().trace.loads == [("long", [0], 0, 1)]
+    assert e.kv.blocks_of("again") == [], "the other load would take blocks the long prompt still needs: it waits"
+    for _ in range(20):
         e.complete_transfers(False, False)
         e.step()
     assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
@@ -850,10 +903,10 @@ def test_blockref_identity(engine):
 
 def test_adapter_exception_is_call_failure():
     """CONF-CALL-1: an exception raised by the adapter is reported as CONF-CALL-1 naming the call."""
-    machine = ConnectorStateMachine()
-    machine.caller.adapter = object()
+    execution = Execution(Session())
+    execution.caller.adapter = object()
     with pytest.raises(ClauseViolation, match=r"CONF-CALL-1.*adapter\.step"):
-        machine.call("step")
+        execution.call("step")
 
 
 @settings(max_examples=30, deadline=None)

@@ -91,3 +91,18 @@ def test_certify_names_every_gap(tmp_path: Path) -> None:
     known.write_text("OFF-READ-1: the seed bug\n")
     code, stderr = run("--adapter", "kvconform_test_mutant:make", "--known-failures", str(known), "--certify")
     assert code == 1 and "not certified: OFF-READ-1: known failure" in stderr, stderr
+
+
+def test_replay_runs_a_reported_counterexample_again(tmp_path: Path) -> None:
+    """`kvconform replay` reruns the program of a report: it fails the mutant again and passes the reference."""
+    report = tmp_path / "seed.json"
+    code, _ = run("--adapter", "kvconform_test_mutant:make", "--report", str(report))
+    assert code == 1 and json.loads(report.read_text())["program"]
+    replayed = CliRunner().invoke(main, ["replay", str(report), "--adapter", "kvconform_test_mutant:make"])
+    assert replayed.exit_code == 1 and "NOT conformant: OFF-READ-1" in replayed.stdout, replayed.stdout
+    assert "adapter.add_request(RequestSpec(" in replayed.stdout
+    assert CliRunner().invoke(main, ["replay", str(report)]).exit_code == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"op": "jump"}]')
+    refused = CliRunner().invoke(main, ["replay", str(bad)])
+    assert refused.exit_code == 2 and "'op' must be one of" in refused.stderr

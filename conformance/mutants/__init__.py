@@ -1,7 +1,9 @@
 """Mutant adapters: the reference with one real vLLM bug put back (spec chapter `conformance`).
 
-They are data for the kit's own tests and for `kvconform mutants`, deliberately not registered as
-adapters. Each names the vLLM issue or PR whose bug it reintroduces and the clause the kit must fail.
+They are data for the kit's own tests, for `kvconform mutants` and for the benchmarks, deliberately not
+registered as adapters. Each class names the vLLM issue or PR whose bug it reintroduces; each catalogue
+row names the clause the kit must fail. A mutant is the smallest change of one reference part that puts
+the bug back, so the kit's verdict on it says whether the clause really checks anything.
 """
 
 from __future__ import annotations
@@ -9,15 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.reference.connector import OffloadConnectorScheduler
+from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
-from kvconform.reference.offload_manager import OffloadManager
+from kvconform.reference.hashing import block_hashes
+from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
+from kvconform.reference.request import RequestStatus
 
 
-def mutant(engine_base: type[Engine] = Engine, **parts: type) -> type[ReferenceAdapter]:
-    """Return a reference adapter whose engine uses the given replacement parts."""
-    engine = type("MutantEngine", (engine_base,), parts)
-    return type("MutantAdapter", (ReferenceAdapter,), {"engine_class": engine})
+# --- the seed rule: skip the read, still store -------------------------------------------------
 
 
 class SkipFlagIgnoredConnector(OffloadConnectorScheduler):
@@ -43,6 +44,9 @@ class SkipReturnsEarlyConnector(OffloadConnectorScheduler):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
 
+# --- connector decisions ---------------------------------------------------------------------
+
+
 class AsyncFlagOnZeroConnector(OffloadConnectorScheduler):
     """Answers load_async=True together with 0 tokens (base.py: the flag MUST be False when the count is 0)."""
 
@@ -64,6 +68,90 @@ class LookupPastMissConnector(OffloadConnectorScheduler):
         return hits
 
 
+class LookupFromStartConnector(OffloadConnectorScheduler):
+    """The lookup starts at the request's first offloaded block, probing blocks the local prefix cache already hit."""
+
+    def first_lookup(self, state):
+        return 0
+
+
+class LoadsOneBlockShortConnector(OffloadConnectorScheduler):
+    """A hit of several offloaded blocks is loaded without its last one (off by one); those tokens keep stale bytes."""
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if num_external_tokens > self.offloaded_block_size:
+            num_external_tokens -= self.offloaded_block_size
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+
+class RedundantLoadConnector(OffloadConnectorScheduler):
+    """vLLM #29087: a load covers whole offloaded blocks, reloading GPU blocks the local prefix cache already hit."""
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if num_external_tokens == 0:
+            return
+        state = self.states[request.request_id]
+        local = state.num_local_tokens
+        state.num_local_tokens = local - local % self.offloaded_block_size
+        super().update_state_after_alloc(request, block_ids, num_external_tokens + local - state.num_local_tokens)
+        state.num_local_tokens = local
+
+
+class LoadOffsetIgnoredConnector(OffloadConnectorScheduler):
+    """vLLM #28951: a load that starts inside an offloaded block counts positions from the load's first block."""
+
+    def load_rows(self, slot_of, first_gpu, num_gpu):
+        return [slot_of[p // self.factor] * self.factor + (p - first_gpu) % self.factor for p in range(first_gpu, num_gpu)]
+
+
+class ReorderedLoadConnector(OffloadConnectorScheduler):
+    """A load pairs the GPU blocks of a multi-block job with its store rows in reverse order (data integrity)."""
+
+    def load_rows(self, slot_of, first_gpu, num_gpu):
+        return super().load_rows(slot_of, first_gpu, num_gpu)[::-1]
+
+
+class DecodedBlocksNotOffloadedConnector(OffloadConnectorScheduler):
+    """vLLM #33881: under async scheduling, blocks filled by decoded tokens are never offered to the store."""
+
+    @staticmethod
+    def offloadable_tokens(request, num_scheduled):
+        tokens = OffloadConnectorScheduler.offloadable_tokens(request, num_scheduled)
+        return min(tokens, len(request.prompt)) if request.num_output_placeholders else tokens
+
+
+class TenantlessKeyConnector(OffloadConnectorScheduler):
+    """vLLM #44701: the offload key hashes the tokens alone; LoRA name and cache salt are left out."""
+
+    def offload_keys(self, request):
+        return block_hashes(request.tokens, self.block_size)[self.factor - 1 :: self.factor]
+
+
+# --- protecting GPU blocks that stores still read ------------------------------------------------
+
+
+class NoFlushOnPreemptionConnector(OffloadConnectorScheduler):
+    """vLLM #29870: a preempted request's in-flight stores are not flushed before its GPU blocks are reused.
+
+    The kit sees the missing flush (LIFE-FREE-2) first in the store: the reference holds the block readable one
+    step after the preemption, the mutant still storing (OFF-MGR-1); once the blocks are reused, XFER-SAFE-1.
+    """
+
+    def build_connector_meta(self, output):
+        output.preempted_request_ids = set()
+        return super().build_connector_meta(output)
+
+
+class FreesWhileStoringConnector(OffloadConnectorScheduler):
+    """vLLM #45823: a finished request's blocks are freed and reused while its stores still read them."""
+
+    def flush_stores_before_reuse(self, state):
+        return None
+
+
+# --- the store and the worker ------------------------------------------------------------------
+
+
 class EvictsKeptKeysManager(OffloadManager):
     """vLLM #35846: prepare_store evicted keys it had been asked to keep (the protected set is ignored)."""
 
@@ -71,6 +159,97 @@ class EvictsKeptKeysManager(OffloadManager):
         super().__post_init__()
         evict = self.policy.evict
         self.policy.evict = lambda count, protected: evict(count, set())
+
+
+class TouchIgnoredLRUPolicy(LRUPolicy):
+    """LRU whose touch refreshes nothing: blocks a request hit are evicted as if unused."""
+
+    def touch(self, keys):
+        return None
+
+
+class SwappedListsARCPolicy(ARCPolicy):
+    """ARC that takes its victims from the frequency list T2 while T1 is at or above its target (lists swapped)."""
+
+    def evict(self, count, protected):
+        self.t1, self.t2 = self.t2, self.t1
+        try:
+            return super().evict(count, protected)
+        finally:
+            self.t1, self.t2 = self.t2, self.t1
+
+
+class TouchIgnoredManager(OffloadManager):
+    """The store's LRU refreshes no block on a hit (OFF-LRU-1: a touched block becomes most recent)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.policy_name == "lru":
+            self.policy = TouchIgnoredLRUPolicy(self.num_slots)
+
+
+class SwappedListsManager(OffloadManager):
+    """The store's ARC evicts from T2 where it should from T1 and back (OFF-ARC-4)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.policy_name == "arc":
+            self.policy = SwappedListsARCPolicy(self.num_slots)
+
+
+class StoringCountsAsMissManager(OffloadManager):
+    """A block still being stored is looked up as missing, not as "not yet": the request recomputes what it would
+    load a moment later (OFF-LOOKUP-3: such a hit must defer)."""
+
+    def lookup(self, key):
+        return super().lookup(key) or False
+
+
+class UnknownKeyRaisesArcPolicy(ARCPolicy):
+    """ARC whose touch raises KeyError for a key the store does not hold."""
+
+    def touch(self, keys):
+        for key in keys:
+            if self.get(key) is None and key not in self.b1 and key not in self.b2:
+                raise KeyError(key.hex())
+        super().touch(keys)
+
+
+class UnknownKeyRaisesManager(OffloadManager):
+    """vLLM #34576: ARC's touch of a key the store does not hold raises KeyError (OFF-MGR-4: unknown keys are ignored).
+
+    The adapter raises in the middle of a step, which the kit reports as the call's failure (CONF-CALL-1).
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.policy_name == "arc":
+            self.policy = UnknownKeyRaisesArcPolicy(self.num_slots)
+
+
+class StoreBeforeComputeWorker(OffloadConnectorWorker):
+    """vLLM #31341: a store copies its GPU blocks before the forward that computes them: stale bytes are offloaded."""
+
+    def start_load_kv(self, meta):
+        super().start_load_kv(meta)
+        for job in meta.store_jobs:
+            super().copy(job)
+
+    def copy(self, job):
+        if not job.is_store:
+            super().copy(job)
+
+
+class CorruptingStoreWorker(OffloadConnectorWorker):
+    """A store changes one KV element of each block it writes (data integrity)."""
+
+    def copy(self, job):
+        super().copy(job)
+        if job.is_store:
+            self.transfer.store[job.rows, 0, 0] += 1
+
+
+# --- the engine --------------------------------------------------------------------------------
 
 
 class LoadCoversLastTokenEngine(Engine):
@@ -83,21 +262,114 @@ class LoadCoversLastTokenEngine(Engine):
             request.num_computed_tokens = num_computed
 
 
+class FinishesEarlyEngine(Engine):
+    """A request with two or more outputs to make finishes one output early (off by one)."""
+
+    @staticmethod
+    def reached_end(request):
+        return len(request.output) >= max(1, request.max_tokens - 1)
+
+
+class LoadedRequestsNotFirstEngine(Engine):
+    """vLLM #45388: loaded requests wait in plain queue order behind requests that cannot fit while they hold blocks."""
+
+    def order_waiting(self):
+        return None
+
+
+class LeaksOnAbortDuringLoadEngine(Engine):
+    """vLLM #32255: a request aborted while its load is in flight never has its GPU blocks freed."""
+
+    def _finish(self, request, status):
+        super()._finish(request, status)
+        if status is RequestStatus.ABORTED:
+            self.delayed_free.discard(request.request_id)
+
+
+class LeaksBlockOnAbortEngine(Engine):
+    """An aborted request keeps a reference on its last GPU block, which is never freed (no leaks)."""
+
+    def abort(self, request_id):
+        blocks = self.kv.blocks_of(request_id)
+        if blocks:
+            self.kv.pool.touch(blocks[-1:])
+        super().abort(request_id)
+
+
+PART_SLOTS = {OffloadConnectorScheduler: "connector_class", OffloadManager: "manager_class",
+              OffloadConnectorWorker: "worker_class"}
+"""Which attribute of the reference `Engine` holds each replaceable part."""
+
+
 @dataclass(frozen=True)
 class Mutant:
-    """One catalogue row: the broken adapter, the vLLM reference of the bug, the clause it must fail."""
+    """One catalogue row: the reference part that puts the bug back, the vLLM reference, the clauses that observe it.
 
-    adapter: type[ReferenceAdapter]
+    The first clause is the one the bug violates. The others are where the same bug can show first, as a
+    consequence the kit sees earlier: a key collision makes the store skip a write (OFF-STORE-3), hold or
+    evict other blocks than the reference's (OFF-MGR-1, OFF-LRU-1, OFF-ARC-1) or answer another tenant's
+    lookup (CONN-MATCH-1) before that tenant loads the block (OFF-KEY-2); a changed order of admission shows
+    in the schedule (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show
+    as a missing release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak
+    check; a kept block evicted in a step with several store offers, where an eviction cannot be told apart
+    from one made for a later offer, shows as other victims than the policy's (OFF-LRU-1, OFF-ARC-1) or as
+    different blocks written (OFF-STORE-3).
+    """
+
+    part: type
     vllm_ref: str
-    clause: str
+    clauses: tuple[str, ...]
+
+    @property
+    def adapter(self) -> type[ReferenceAdapter]:
+        """Return a reference adapter whose engine uses this mutant's part instead of the reference's (or the part,
+        if it is an adapter itself)."""
+        if issubclass(self.part, ReferenceAdapter):
+            return self.part
+        if issubclass(self.part, Engine):
+            engine = self.part
+        else:
+            slot = next(slot for base, slot in PART_SLOTS.items() if issubclass(self.part, base))
+            engine = type(f"{self.part.__name__}Engine", (Engine,), {slot: self.part})
+        return type(f"{self.part.__name__}Adapter", (ReferenceAdapter,), {"engine_class": engine})
+
+
+def row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
+    return Mutant(part, vllm_ref, clauses)
 
 
 MUTANTS = {
-    "skip-flag-ignored": Mutant(mutant(connector_class=SkipFlagIgnoredConnector), "#44585 / PR #44592", "OFF-READ-1"),
-    "skip-returns-early": Mutant(mutant(connector_class=SkipReturnsEarlyConnector), "PR #44592 (first draft)", "OFF-READ-3"),
-    "async-flag-on-zero": Mutant(mutant(connector_class=AsyncFlagOnZeroConnector), "base.py contract", "CONN-MATCH-2"),
-    "load-covers-last-token": Mutant(mutant(LoadCoversLastTokenEngine), "kv_cache_manager.py contract", "PFX-HIT-3"),
-    "lookup-past-miss": Mutant(mutant(connector_class=LookupPastMissConnector), "offloading scheduler contract", "OFF-LOOKUP-2"),
-    "evicts-kept-keys": Mutant(mutant(manager_class=EvictsKeptKeysManager), "#35846", "OFF-MGR-7"),
+    "skip-flag-ignored": row(SkipFlagIgnoredConnector, "#44585 / PR #44592", "OFF-READ-1"),
+    "skip-returns-early": row(SkipReturnsEarlyConnector, "PR #44592 (first draft)", "OFF-READ-3"),
+    "stores-not-flushed-on-preemption": row(NoFlushOnPreemptionConnector, "#29870",
+                                            "LIFE-FREE-2", "OFF-MGR-1", "XFER-SAFE-1"),
+    "store-before-compute": row(StoreBeforeComputeWorker, "#31341", "XFER-DATA-1"),
+    "load-offset-ignored": row(LoadOffsetIgnoredConnector, "#28951", "XFER-DATA-1"),
+    "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3", "OFF-LRU-1", "OFF-ARC-1"),
+    "arc-touch-unknown-key": row(UnknownKeyRaisesManager, "#34576", "OFF-MGR-4", "CONF-CALL-1"),
+    "decoded-blocks-not-offloaded": row(DecodedBlocksNotOffloadedConnector, "#33881",
+                                        "OFF-STORE-1", "OFF-READ-3"),
+    "redundant-load": row(RedundantLoadConnector, "#29087", "CONN-LOAD-2"),
+    "frees-while-storing": row(FreesWhileStoringConnector, "#45823", "XFER-SAFE-1"),
+    "leaks-on-abort-during-load": row(LeaksOnAbortDuringLoadEngine, "#32255", "LIFE-LEAK-1", "LIFE-FREE-1"),
+    "loaded-requests-not-first": row(LoadedRequestsNotFirstEngine, "#45388",
+                                     "LIFE-LIVE-1", "SCHED-STEP-2", "OFF-MGR-1"),
+    "tenantless-offload-key": row(TenantlessKeyConnector, "#44701",
+                                  "OFF-KEY-2", "CONN-MATCH-1", "OFF-STORE-3", "OFF-STORE-1", "OFF-MGR-1",
+                                  "OFF-LRU-1", "OFF-ARC-1"),
+    "storing-counts-as-miss": row(StoringCountsAsMissManager, "offloading scheduler contract",
+                                  "OFF-LOOKUP-3", "CONN-MATCH-1", "OFF-LOOKUP-1"),
+    "lookup-from-start": row(LookupFromStartConnector, "offloading scheduler contract", "OFF-LOOKUP-1"),
+    "loads-one-block-short": row(LoadsOneBlockShortConnector, "offloading scheduler contract", "XFER-LOAD-2"),
+    "lru-touch-ignored": row(TouchIgnoredManager, "lru.py contract", "OFF-LRU-1"),
+    "arc-lists-swapped": row(SwappedListsManager, "arc.py contract", "OFF-ARC-1"),
+    "finishes-early": row(FinishesEarlyEngine, "scheduler contract", "LIFE-FIN-1"),
+    "async-flag-on-zero": row(AsyncFlagOnZeroConnector, "base.py contract", "CONN-MATCH-2"),
+    "load-covers-last-token": row(LoadCoversLastTokenEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
+    "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-1"),
+    "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),
+    "leaks-block-on-abort": row(LeaksBlockOnAbortEngine, "no leaks",
+                                "LIFE-LEAK-1", "PFX-RESET-1", "SCHED-STEP-2"),
 }
-"""Mutant name → catalogue row."""
+"""Mutant name → catalogue row: first the vLLM bug catalogue of the design notes, then contract and integrity faults."""

@@ -1,0 +1,321 @@
+"""Running programs of engine operations on an adapter and the reference side by side (chapter `conformance`).
+
+A program is a list of `Call`s: the adapter operations `start`, `add_request`, `step`, `complete_transfers`,
+`abort`, `preempt`, `reset_prefix_cache`, plus `drain` (complete transfers and step until the reference is
+idle, then check for leaks). The state machine draws programs, the shrinker edits them, and a counterexample
+is one. `Execution.apply` runs one call on both engines and judges every answer with the registered checks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvconform.adapters.contract import (
+    Capabilities,
+    EngineConfig,
+    ImplementationFailure,
+    KVConnectorAdapter,
+    RequestSpec,
+    StepObservation,
+)
+from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.conformance.baseline import Baseline
+from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
+from kvconform.conformance.checks import ClauseViolation, Context, checks_of
+from kvconform.reference.errors import InvalidCall
+from kvconform.reference.request import RequestStatus
+
+DRAIN_STEP_LIMIT = 64
+"""Steps a drain may take before the requests still unfinished count as stuck (LIFE-LIVE-1)."""
+
+Scheduling = Literal["sync", "async", "both"]
+"""Which scheduling modes a run draws: sync only, async only, or both."""
+
+
+PARAMETERS = {"start": ("config",), "add_request": ("request",), "step": (), "complete_transfers": ("fail_loads", "fail_stores"),
+              "abort": ("request_id",), "preempt": ("request_id",), "reset_prefix_cache": ("reset_connector",),
+              "drain": ()}
+"""The operations of a program and the names of their arguments."""
+
+
+class Diverged(Exception):
+    """A known failure happened: the implementation and the reference have diverged, so the example ends (CONF-RUN-2)."""
+
+
+class ProgramError(ValueError):
+    """A program in JSON that is not one: the message says which operation and why."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operation of a program, with its positional arguments."""
+
+    operation: str
+    args: tuple[Any, ...] = ()
+
+    def __str__(self) -> str:
+        if self.operation == "drain":
+            return "drain()  # complete transfers and step until the reference is idle, then check for leaks"
+        return f"adapter.{self.operation}({', '.join(map(repr, self.args))})"
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the call as trace vectors write operations: `{"op": ..., "args": {...}}`."""
+        if self.operation in ("start", "add_request"):
+            args = self.args[0].model_dump(mode="json", exclude_defaults=self.operation == "add_request")
+        else:
+            args = dict(zip(PARAMETERS[self.operation], self.args))
+        return {"op": self.operation, "args": args} if args else {"op": self.operation}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Call:
+        """Return the call a `{"op": ..., "args": {...}}` object stands for; raise ProgramError if it stands for none."""
+        operation, args = data.get("op"), data.get("args", {})
+        if operation not in PARAMETERS or not isinstance(args, dict):
+            raise ProgramError(f"{data!r}: 'op' must be one of {', '.join(PARAMETERS)}, 'args' an object")
+        try:
+            if operation == "start":
+                return cls(operation, (EngineConfig(**args),))
+            if operation == "add_request":
+                return cls(operation, (RequestSpec(**args),))
+            return cls(operation, tuple(args[name] for name in PARAMETERS[operation]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ProgramError(f"{data!r}: {error}") from None
+
+
+def render(program: list[Call]) -> str:
+    """Return a program as the Python calls it makes, one per line."""
+    return "\n".join(map(str, program))
+
+
+@dataclass
+class Session:
+    """What the executions of one run share: the options they run under, and the tallies they add up."""
+
+    adapter_factory: Callable[[], KVConnectorAdapter] = ReferenceAdapter
+    call_timeout: float | None = DEFAULT_CALL_TIMEOUT
+    scheduling: Scheduling = "both"
+    baseline: Baseline = field(default_factory=Baseline)
+    on_example: Callable[[], None] | None = None
+    coverage: dict[str, int] = field(default_factory=dict)
+    rules: int = 0
+    steps: int = 0
+    adapter_seconds: float = 0.0
+    reference_seconds: float = 0.0
+    last_execution: Execution | None = None
+
+
+class Execution:
+    """One fresh adapter and one fresh reference, driven through the same calls and compared after each."""
+
+    def __init__(self, session: Session, coverage: dict[str, int] | None = None) -> None:
+        self.session = session
+        self.coverage = session.coverage if coverage is None else coverage
+        self.caller = AdapterCaller(session.call_timeout)
+        self.oracle = ReferenceAdapter()
+        self.ctx: Context | None = None
+        self.capabilities = Capabilities()
+        self.program: list[Call] = []
+        self.failed = False
+
+    # --- the engines -------------------------------------------------------------------------
+
+    def call(self, operation: str, *args: Any) -> Any:
+        """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`).
+
+        An implementation failure of a known-failure clause yields the outcome the adapter reports when the
+        implementation recovered; otherwise the example ends there (CONF-RUN-2).
+        """
+        try:
+            return self.caller(operation, *args)
+        except ClauseViolation as violation:
+            failure = violation.__cause__
+            if not isinstance(failure, ImplementationFailure) or not self.session.baseline.tolerates(violation):
+                raise
+            if not failure.recovered:
+                raise Diverged from violation
+            return failure.result
+
+    def expect(self, operation: str, *args: Any) -> Any:
+        """Return the reference's answer to `operation(*args)`, timing it apart from the harness."""
+        started = time.perf_counter()
+        try:
+            return getattr(self.oracle, operation)(*args)
+        finally:
+            self.session.reference_seconds += time.perf_counter() - started
+
+    def begin(self) -> Capabilities:
+        """Build the adapter and return what it claims to support (CONF-CAP-1)."""
+        self.caller.build(self.session.adapter_factory)
+        self.capabilities = self.call("capabilities")
+        return self.capabilities
+
+    def close(self) -> None:
+        if self.caller.adapter is not None and not self.caller.hung:
+            self.call("close")
+        self.session.adapter_seconds += self.caller.seconds
+
+    # --- what the reference's state allows ----------------------------------------------------
+
+    def unfinished(self) -> list[str]:
+        engine = self.oracle.engine
+        return sorted(request.request_id for request in (*engine.waiting, *engine.running))
+
+    def loading(self) -> list[str]:
+        return sorted(request.request_id for request in self.oracle.engine.waiting
+                      if request.status is RequestStatus.WAITING_FOR_LOAD)
+
+    def running(self) -> list[str]:
+        return sorted(request.request_id for request in self.oracle.engine.running)
+
+    def storing(self) -> list[str]:
+        """Return the running requests whose stores are still in flight."""
+        connector = self.oracle.engine.connector
+        return [request_id for request_id in self.running() if any(
+            connector.jobs[job].is_store for job in connector.states[request_id].transfer_jobs)]
+
+    def resident(self) -> list[str]:
+        """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""
+        engine = self.oracle.engine
+        loaded = [request_id for request_id, success in engine.loads_done.items()
+                  if success and not engine.requests[request_id].is_finished]
+        return sorted({*self.running(), *loaded})
+
+    def busy(self) -> bool:
+        """Return True while the reference has a request to run, a transfer to finish or a batch in flight."""
+        engine = self.oracle.engine
+        return bool(engine.waiting or engine.running or engine.in_flight_job_count() or engine.in_flight is not None)
+
+    def allows(self, call: Call) -> bool:
+        """Return True if the reference's state lets `call` run: its request exists and is in the right state."""
+        if call.operation == "start":
+            return self.ctx is None
+        if self.ctx is None:
+            return False
+        if call.operation == "add_request":
+            return call.args[0].request_id not in self.ctx.requests
+        if call.operation == "abort":
+            return self.capabilities.abort and call.args[0] in self.unfinished()
+        if call.operation == "preempt":
+            return self.capabilities.preemption and call.args[0] in self.running()
+        return True
+
+    # --- applying calls ------------------------------------------------------------------------
+
+    def apply(self, call: Call) -> None:
+        """Run `call` on the reference and the adapter and judge the answers; raise ClauseViolation on a failure."""
+        self.program.append(call)
+        try:
+            getattr(self, f"_{call.operation}")(*call.args)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _start(self, config) -> None:
+        self.expect("start", config)
+        self.call("start", config)
+        self.ctx = Context(config, {}, self.oracle.engine, exercised=self.coverage)
+
+    def _add_request(self, spec) -> None:
+        self.ctx.requests[spec.request_id] = spec
+        self.expect("add_request", spec)
+        self.call("add_request", spec)
+
+    def _step(self) -> None:
+        self.compare_step(self.expect("step"), self.call("step"))
+
+    def _complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        self.expect("complete_transfers", fail_loads, fail_stores)
+        self.call("complete_transfers", fail_loads, fail_stores)
+
+    def _abort(self, request_id: str) -> None:
+        self.expect("abort", request_id)
+        self.call("abort", request_id)
+
+    def _preempt(self, request_id: str) -> None:
+        self.expect("preempt", request_id)
+        self.call("preempt", request_id)
+
+    def _reset_prefix_cache(self, reset_connector: bool) -> None:
+        expected = self.expect("reset_prefix_cache", reset_connector)
+        actual = self.call("reset_prefix_cache", reset_connector)
+        self.ctx.exercise("PFX-RESET-1")
+        if expected != actual:
+            raise ClauseViolation("PFX-RESET-1", f"reset_prefix_cache returned {actual!r}, reference {expected!r}")
+
+    def _drain(self) -> None:
+        """Complete every transfer and step until the reference is idle, then check for leaks and liveness."""
+        steps = 0
+        while steps < DRAIN_STEP_LIMIT and self.busy():
+            self._complete_transfers(False, False)
+            self._step()
+            steps += 1
+        for each in checks_of("drain"):
+            each.function(self.ctx, self.expect("resource_usage"), steps)
+        self.judge("adapter.resource_usage()", "drain", self.call("resource_usage"), steps)
+
+    # --- judging -----------------------------------------------------------------------------
+
+    def judge(self, call: str, kind: str, *args: Any) -> None:
+        """Run the checks of `kind` on the answer of `call`; a known failure is recorded, not raised, and ends the
+        example: what would follow is only its consequences (CONF-RUN-2).
+
+        A failure names the call whose answer it judged (CONF-CALL-1).
+        """
+        for each in checks_of(kind):
+            try:
+                each.function(self.ctx, *args)
+            except ClauseViolation as violation:
+                violation.detail = f"{call}: {violation.detail}"
+                if not self.session.baseline.tolerates(violation):
+                    raise
+                raise Diverged from violation
+
+    def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
+        self.session.steps += 1
+        self.judge("adapter.step()", "step", expected, actual)
+        store = self.expect("store_contents")
+        self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
+        self.ctx.previous_store = store
+        if self.capabilities.reads_kv:
+            for request_id in self.resident():
+                self.judge(f"adapter.computed_kv({request_id!r})", "data", request_id,
+                           self.call("computed_kv", request_id))
+
+
+@dataclass
+class Replay:
+    """A program as run: the calls the reference's state allowed, and the violation it ended with, if any."""
+
+    program: list[Call]
+    violation: ClauseViolation | None
+
+
+def replay(session: Session, program: list[Call]) -> Replay:
+    """Run `program` on a fresh adapter and reference, skipping the calls the reference's state does not allow.
+
+    The coverage of a replay is not counted: it repeats calls a run has already judged. A known failure ends
+    the replay there, without a violation (CONF-RUN-2); a hang or a call the reference itself refuses ends it
+    with nothing run.
+    """
+    execution = Execution(session, coverage={})
+    violation = None
+    try:
+        execution.begin()
+        for call in program:
+            if execution.allows(call):
+                execution.apply(call)
+    except ClauseViolation as error:
+        violation = error
+    except Diverged:
+        pass
+    except (AdapterHung, InvalidCall):
+        execution.program.clear()
+    finally:
+        try:
+            execution.close()
+        except (ClauseViolation, AdapterHung, Diverged):
+            pass
+    return Replay(execution.program, violation)

@@ -1,0 +1,125 @@
+"""The options of one conformance run, checked before it starts; shared by the CLI and the pytest plugin.
+
+A mistake in them is the user's, reported as one line (`UsageProblem`): the CLI exits 2, the plugin
+raises `pytest.UsageError`. Everything that can be checked is checked before the run — the adapter is
+built and asked for its capabilities, report paths must be writable — so a long run never ends unable
+to write its report.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import get_args
+
+from kvconform.adapters.contract import Capabilities, KVConnectorAdapter
+from kvconform.adapters.registry import AdapterNotFound, resolve
+from kvconform.conformance import baseline, report, runner
+from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
+from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.machine import Scheduling
+from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES
+
+SCHEDULINGS: tuple[str, ...] = get_args(Scheduling)
+
+
+class UsageProblem(Exception):
+    """A mistake in the options of a run; the message is one line that says what is wrong."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """A run as asked for, with its adapter already probed."""
+
+    adapter_spec: str
+    factory: Callable[[], KVConnectorAdapter]
+    capabilities: Capabilities
+    implementation_version: str
+    profile: str = DEFAULT_PROFILE
+    seed: int | None = None
+    scheduling: Scheduling = "both"
+    call_timeout: float = DEFAULT_CALL_TIMEOUT
+    known_failures: dict[str, str] = field(default_factory=dict)
+    report_path: Path | None = None
+    junit_path: Path | None = None
+    certify: bool = False
+
+
+def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | None = None,
+            scheduling: str = "both", call_timeout: float = DEFAULT_CALL_TIMEOUT,
+            known_failures_path: Path | None = None, report_path: Path | None = None,
+            junit_path: Path | None = None, certify: bool = False) -> RunOptions:
+    """Return the checked options of a run, or raise UsageProblem naming the first mistake."""
+    if profile not in PROFILES:
+        raise UsageProblem(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    if scheduling not in SCHEDULINGS:
+        raise UsageProblem(f"unknown scheduling {scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
+    if not call_timeout > 0:
+        raise UsageProblem(f"the call timeout must be more than 0 seconds, not {call_timeout:g}")
+    for path in (report_path, junit_path):
+        if path is not None:
+            check_writable(path)
+    known: dict[str, str] = {}
+    if known_failures_path is not None:
+        try:
+            known = baseline.load(known_failures_path).entries
+        except baseline.BaselineError as error:
+            raise UsageProblem(str(error)) from None
+    factory, capabilities, version = _probe(adapter_spec, call_timeout)
+    if scheduling == "async" and not capabilities.async_scheduling:
+        raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
+    return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout, known,
+                      report_path, junit_path, certify)
+
+
+def run(options: RunOptions, on_example: Callable[[], None] | None = None) -> report.RunReport:
+    """Run the state machine as `options` say and return its report (not yet written)."""
+    result = runner.run(options.factory, options.adapter_spec, options.profile, options.seed, on_example=on_example,
+                        call_timeout=options.call_timeout, baseline=baseline.Baseline(dict(options.known_failures)),
+                        scheduling=options.scheduling)
+    return report.build(result, options.implementation_version, options.capabilities, options.known_failures)
+
+
+def write_reports(options: RunOptions, run_report: report.RunReport) -> None:
+    """Write the JSON and JUnit reports `options` ask for; raise UsageProblem when one cannot be written."""
+    for path, render in ((options.report_path, lambda: run_report.model_dump_json(indent=2)),
+                         (options.junit_path, lambda: report.junit_xml(run_report))):
+        if path is not None:
+            try:
+                report.write_atomically(path, render())
+            except OSError as error:
+                raise UsageProblem(f"cannot write the report to {path}: {error.strerror or error}") from None
+
+
+def certification_gaps(options: RunOptions, run_report: report.RunReport) -> list[str]:
+    """Return why the run does not certify the adapter when `options` ask to certify, else nothing (CONF-CERT-1)."""
+    return report.certification_gaps(run_report) if options.certify else []
+
+
+def check_writable(path: Path) -> None:
+    """Raise UsageProblem before a long run whose report could not be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageProblem(f"cannot write the report to {path}: {error.strerror or error}") from None
+    if not os.access(path.parent, os.W_OK):
+        raise UsageProblem(f"cannot write the report to {path}: directory {path.parent} is not writable")
+
+
+def _probe(adapter_spec: str, call_timeout: float) -> tuple[Callable[[], KVConnectorAdapter], Capabilities, str]:
+    """Return the adapter's factory, capabilities and version, or raise UsageProblem when it cannot even be asked."""
+    caller = AdapterCaller(call_timeout)
+    try:
+        factory = resolve(adapter_spec)
+        caller.build(factory)
+        capabilities, version = caller("capabilities"), caller("implementation_version")
+        caller("close")
+    except AdapterNotFound as error:
+        raise UsageProblem(str(error)) from None
+    except (ClauseViolation, AdapterHung) as error:
+        if isinstance(error.__cause__, AdapterNotFound):
+            raise UsageProblem(str(error.__cause__)) from None
+        raise UsageProblem(f"adapter {adapter_spec!r} cannot be used: {error.detail}") from None
+    return factory, capabilities, version

@@ -1,0 +1,132 @@
+"""Shrinking a failing program to a small one that fails the same way (chapter `conformance`, CONF-RUN-3).
+
+Hypothesis finds the failing program; the shrinker then edits the program itself. Each candidate is run
+by a fresh `Execution`, with no Hypothesis draws in the way: a replay costs what its engine steps cost.
+Edits, tried until none helps or the time budget is spent: drop a whole request (its `add_request` and
+every call naming it), drop runs of calls (halving their length down to single calls), and simplify
+values (shorter prompts, one output token, no flags or tenant, the plainest engine configuration).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvconform.adapters.contract import Capabilities, EngineConfig, RequestSpec
+from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.execution import Call, Replay, Session, replay
+
+ROOMY_CONFIG = {"num_gpu_blocks": 64, "num_offload_blocks": 12, "max_num_batched_tokens": 256}
+"""Engine settings under which nothing has to be preempted, evicted or chunked: the simplest there are."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What makes two failures the same: the clause, and for a raising adapter the exception's type."""
+
+    clause: str
+    raised: str = ""
+
+    @classmethod
+    def of(cls, violation: ClauseViolation) -> Failure:
+        raised = violation.detail.split(" raised ", 1)[1].split(":", 1)[0] if violation.clause == "CONF-CALL-1" else ""
+        return cls(violation.clause, raised)
+
+
+class Shrinker:
+    """Shrinks programs of one session's adapter, keeping the failure they show."""
+
+    def __init__(self, session: Session, capabilities: Capabilities, seconds: float) -> None:
+        self.session = session
+        self.deadline = time.perf_counter() + seconds
+        self.replays = 0
+        self.plain_config = {
+            **ROOMY_CONFIG,
+            "block_size_factor": min(capabilities.block_size_factors),
+            "eviction_policy": "lru" if "lru" in capabilities.eviction_policies else capabilities.eviction_policies[0],
+            "async_scheduling": session.scheduling == "async",
+        }
+
+    def replay(self, program: list[Call]) -> Replay:
+        self.replays += 1
+        return replay(self.session, program)
+
+    def shrink(self, failing: Replay) -> Replay:
+        """Return the smallest program found within the time budget that fails as `failing` does.
+
+        A program that does not fail the same way when replayed is returned as it is, and its message says so.
+        """
+        failure, best = Failure.of(failing.violation), failing
+        again = self.replay(failing.program).violation
+        if again is None or Failure.of(again) != failure:
+            failing.violation.detail += " (replaying this program did not fail the same way: the adapter is not deterministic)"
+            return failing
+        progress = True
+        while progress and time.perf_counter() < self.deadline:
+            progress = False
+            for candidate in self.candidates(best.program):
+                if time.perf_counter() >= self.deadline:
+                    break
+                replay = self.replay(candidate)
+                if replay.violation is not None and Failure.of(replay.violation) == failure and \
+                        size(replay.program) < size(best.program):
+                    best, progress = replay, True
+                    break
+        return best
+
+    def candidates(self, program: list[Call]) -> Iterator[list[Call]]:
+        """Yield edits of `program`, the ones that remove most first."""
+        for request_id in reversed([call.args[0].request_id for call in program if call.operation == "add_request"]):
+            yield [call for call in program if request_id not in _requests_named(call)]
+        length = len(program) // 2
+        while length >= 1:
+            for first in range(len(program) - length, 0, -length):
+                yield program[:first] + program[first + length:]
+            length //= 2
+        for position, call in enumerate(program):
+            for simpler in self.simpler(call):
+                yield program[:position] + [simpler] + program[position + 1:]
+
+    def simpler(self, call: Call) -> Iterator[Call]:
+        """Yield `call` with one value made simpler, within the adapter's capabilities and the run's scheduling."""
+        if call.operation == "start":
+            config: EngineConfig = call.args[0]
+            for name, plain in self.plain_config.items():
+                if getattr(config, name) != plain:
+                    yield Call("start", (config.model_copy(update={name: plain}),))
+        elif call.operation == "add_request":
+            spec: RequestSpec = call.args[0]
+            for shorter in sorted({len(spec.prompt) // 2, len(spec.prompt) - 4, len(spec.prompt) - 1}):
+                if 0 < shorter < len(spec.prompt):
+                    yield Call("add_request", (spec.model_copy(update={"prompt": spec.prompt[:shorter]}),))
+            for name, plain in (("max_tokens", 1), ("skip_reading_prefix_cache", False), ("cache_salt", None),
+                                ("lora_name", None)):
+                if getattr(spec, name) != plain:
+                    yield Call("add_request", (spec.model_copy(update={name: plain}),))
+        elif call.operation in ("complete_transfers", "reset_prefix_cache"):
+            for position, value in enumerate(call.args):
+                if value:
+                    yield Call(call.operation, call.args[:position] + (False,) + call.args[position + 1:])
+
+
+def _requests_named(call: Call) -> set[str]:
+    if call.operation == "add_request":
+        return {call.args[0].request_id}
+    if call.operation in ("abort", "preempt"):
+        return {call.args[0]}
+    return set()
+
+
+def size(program: list[Call]) -> tuple[int, int, int]:
+    """Return how big a program is: its requests, then its calls, then the sum of its values."""
+    specs = [call.args[0] for call in program if call.operation == "add_request"]
+    values = sum(len(spec.prompt) + spec.max_tokens + bool(spec.skip_reading_prefix_cache) + bool(spec.cache_salt)
+                 + bool(spec.lora_name) for spec in specs)
+    values += sum(sum(map(bool, call.args)) for call in program if call.operation in ("complete_transfers",
+                                                                                       "reset_prefix_cache"))
+    config = next((call.args[0] for call in program if call.operation == "start"), None)
+    if config is not None:
+        values += sum(getattr(config, name) != plain for name, plain in ROOMY_CONFIG.items())
+        values += config.block_size_factor + (config.eviction_policy != "lru") + config.async_scheduling
+    return len(specs), len(program), values

@@ -1,0 +1,102 @@
+"""The documentation site builds with `mkdocs build --strict`, generated from the spec and the code."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvconform.conformance.checks import CHECKS
+from kvconform.conformance.report import RunReport
+from kvconform.spec import registry
+
+pytestmark = pytest.mark.docs
+ROOT = Path(__file__).resolve().parent.parent
+CLAUSE_REF = re.compile(r"\b[A-Z]+(?:-[A-Z]+)*-\d+\b")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built once into a temporary folder; any MkDocs warning fails the build (--strict)."""
+    pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[docs]'")
+    folder = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(folder)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return folder
+
+
+def page(site: Path, path: str) -> str:
+    return (site / path / "index.html").read_text()
+
+
+def chapter(clause: registry.Clause) -> str:
+    return f"spec/{clause.chapter.removesuffix('.md')}"
+
+
+@pytest.mark.parametrize("clause_id", sorted(registry.clauses()))
+def test_clause_is_rendered_in_its_chapter(site: Path, clause_id: str) -> None:
+    """Each clause: anchor = its ID with its level badge, its realising symbols and its checks."""
+    clause = registry.clauses()[clause_id]
+    html = page(site, chapter(clause))
+    assert re.search(rf'<h2 id="{clause_id}">{clause_id} <span class="kv-level [^"]+">{clause.level}</span>', html)
+    section = html.split(f'<h2 id="{clause_id}">', 1)[1].split("<h2 ", 1)[0]
+    for name in (*clause.symbols, *clause.checks):
+        assert f"<code>{name.split('::')[-1]}</code>" in section, f"{clause_id}: {name} not shown"
+    for check in clause.checks:
+        if check in CHECKS:
+            assert CHECKS[check].doc in section
+
+
+@pytest.mark.parametrize("clause_id", sorted(registry.clauses()))
+def test_cited_clauses_are_links(site: Path, clause_id: str) -> None:
+    """A clause ID cited in a clause's text links to that clause's anchor."""
+    clauses = registry.clauses()
+    clause = clauses[clause_id]
+    prose = re.sub(r"`[^`]*`", "", clause.text)
+    section = page(site, chapter(clause)).split(f'<h2 id="{clause_id}">', 1)[1].split("<h2 ", 1)[0]
+    for cited in set(CLAUSE_REF.findall(prose)) & set(clauses):
+        target = "" if clauses[cited].chapter == clause.chapter else f"../{clauses[cited].chapter.removesuffix('.md')}/"
+        assert f'href="{target}#{cited}"' in section, f"{clause_id} cites {cited} without a link"
+
+
+def test_spec_version_and_changelog(site: Path) -> None:
+    assert f"kvconform spec {registry.spec_version()}" in page(site, "spec/03-connector")
+    assert f'<h2 id="{registry.spec_version().replace(".", "")}' in page(site, "spec/changelog")
+
+
+def test_report_schema_is_published(site: Path) -> None:
+    """The reports page shows the RunReport schema and the site serves it as report.schema.json."""
+    published = json.loads((site / "report.schema.json").read_text())
+    assert {k: v for k, v in published.items() if k != "$schema"} == RunReport.model_json_schema()
+    html = page(site, "reports")
+    assert "report.schema.json" in html and "known_failures" in html and "checked_at_run_time" in html
+
+
+def test_adapter_pages_are_in_the_nav(site: Path) -> None:
+    """Every page in docs/adapters/ is built and listed in the navigation, the reference with its capabilities."""
+    home = page(site, "")
+    for written in (ROOT / "docs" / "adapters").glob("*.md"):
+        assert (site / "adapters" / written.stem / "index.html").is_file()
+        assert f'href="adapters/{written.stem}/"' in home, f"{written.name} is not in the nav"
+    assert "<code>async_scheduling</code>" in page(site, "adapters/reference")
+
+
+def test_adapter_authors_page_shows_a_real_counterexample(site: Path) -> None:
+    html = page(site, "adapter-authors")
+    assert "NOT conformant: OFF-READ-1" in html and "adapter.add_request(RequestSpec(" in html
+
+
+def test_bug_catalogue_lists_every_mutant(site: Path) -> None:
+    """The catalogue page shows each mutant with its vLLM reference, its clauses as links and its replaced part."""
+    from kvconform.conformance.mutants import MUTANTS
+
+    html = page(site, "mutants")
+    for name, row in MUTANTS.items():
+        assert f'id="{name}"' in html and row.part.__name__ in html, name
+        for clause in row.clauses:
+            assert f'#{clause}">{clause}</a>' in html, (name, clause)

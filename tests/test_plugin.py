@@ -1,0 +1,74 @@
+"""The pytest plugin: `pytest --kv-adapter=…` runs the suite, writes the reports, and rejects bad options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+
+from kvconform.conformance import vectors as bundled_vectors
+from kvconform.spec import registry
+
+pytest_plugins = ["pytester"]
+
+MUTANT = "kvconform_test_mutant:make"
+
+
+def test_reference_passes_and_writes_both_reports(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """The reference passes the suite, is certified, and gets a JSON and a per-clause JUnit report."""
+    report, junit = tmp_path / "run.json", tmp_path / "run.xml"
+    result = pytester.runpytest("--kv-adapter=reference", f"--kv-report={report}", f"--kv-junit={junit}",
+                                "--kv-certify")
+    result.assert_outcomes(passed=1 + len(vectors()))
+    result.stdout.fnmatch_lines(["kvconform: adapter reference *, profile ci, seed None, scheduling both",
+                                 f"spec {registry.spec_version()}, adapter reference: * pass, 0 fail, *"])
+    written = json.loads(report.read_text())
+    assert (written["adapter"], written["outcome"], written["spec_version"]) == ("reference", "ok",
+                                                                                 registry.spec_version())
+    cases = ElementTree.parse(junit).getroot().iter("testcase")
+    assert sorted(case.get("name").split()[0] for case in cases) == sorted(registry.clauses())
+
+
+def test_seed_mutant_fails_naming_its_clause(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """The seed bug (vLLM #44585) fails the state machine and the sync vectors with OFF-READ-1; so does the report."""
+    report = tmp_path / "run.json"
+    result = pytester.runpytest(f"--kv-adapter={MUTANT}", "--kv-scheduling=sync", f"--kv-report={report}")
+    result.assert_outcomes(failed=1 + len(vectors("sync")), skipped=len(vectors("async")))
+    result.stdout.fnmatch_lines(["[[]OFF-READ-1[]] adapter.step(): request * skips reading cached KV*",
+                                 "counterexample:", "adapter.start(EngineConfig(*"])
+    written = json.loads(report.read_text())
+    assert (written["outcome"], written["failed_clause"]) == ("fail", "OFF-READ-1")
+
+
+def test_known_failure_is_an_xfail(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """CONF-RUN-2: a vector failing a clause listed in --kv-known-failures is an xfail that gives the reason."""
+    known = tmp_path / "known.txt"
+    known.write_text("OFF-READ-1: the seed bug  # vLLM PR #44592\n")
+    result = pytester.runpytest(f"--kv-adapter={MUTANT}", f"--kv-known-failures={known}", "-k", "test_vector", "-rx")
+    result.assert_outcomes(xfailed=len(vectors()), deselected=1)
+    result.stdout.fnmatch_lines(["XFAIL *seed-skip-read-sync* - known failure OFF-READ-1: the seed bug"])
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--kv-adapter=no-such-adapter"], "unknown adapter 'no-such-adapter'"),
+    (["--kv-adapter=reference", "--kv-profile=nightly-ish"], "unknown profile 'nightly-ish'"),
+    (["--kv-adapter=reference", "--kv-scheduling=sometimes"], "unknown scheduling 'sometimes'"),
+    (["--kv-adapter=reference", "--kv-call-timeout=0"], "the call timeout must be more than 0 seconds"),
+    (["--kv-adapter=reference", "--kv-known-failures=missing.txt"], "cannot read known-failures file"),
+    (["--kv-adapter=reference", "--kv-report=/dev/null/run.json"], "cannot write the report"),
+    (["--kv-adapter=faulty_adapters:SyncOnlyAdapter", "--kv-scheduling=async"], "does not support async scheduling"),
+])
+def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, options: list[str], message: str) -> None:
+    """A mistake in the --kv-* options stops pytest before any test with one line, as `kvconform run` does."""
+    result = pytester.runpytest(*options)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: kvconform: *{message}*"])
+    assert "Traceback" not in result.stderr.str()
+
+
+def vectors(scheduling: str = "both") -> list[str]:
+    """Return the names of the bundled vectors that use `scheduling` (sync, async or both)."""
+    wanted = {"sync": {False}, "async": {True}, "both": {False, True}}[scheduling]
+    return [name for name in bundled_vectors.bundled() if bundled_vectors.load(name).config.async_scheduling in wanted]

@@ -1,0 +1,72 @@
+"""The kit's own shrinker: a counterexample is a program that fails the same way when replayed (CONF-RUN-3)."""
+
+from __future__ import annotations
+
+import itertools
+
+from kvconform.adapters.contract import Capabilities, EngineConfig, RequestSpec
+from kvconform.conformance import runner
+from kvconform.conformance.execution import Call, Session
+from kvconform.conformance.mutants import MUTANTS
+from kvconform.conformance.shrinker import Failure, Shrinker
+from kvconform.adapters.reference import ReferenceAdapter
+
+PROMPT = (0, 2, 0, 2) * 3
+CONFIG = EngineConfig(num_gpu_blocks=16, block_size_factor=3, num_offload_blocks=4, eviction_policy="arc",
+                      async_scheduling=True, max_num_batched_tokens=16)
+
+
+def seed_scenario(noise: int) -> list[Call]:
+    """vLLM's seed regression scenario, buried among `noise` unrelated requests: store, reset, skip-read repeat."""
+    program = [Call("start", (CONFIG,))]
+    for number in range(noise):
+        program.append(Call("add_request", (RequestSpec(request_id=f"n{number}", prompt=(3, 1) * 10, max_tokens=3),)))
+        program.append(Call("step"))
+    program += [Call("add_request", (RequestSpec(request_id="first", prompt=PROMPT, max_tokens=2),)), Call("drain"),
+                Call("reset_prefix_cache", (False,)),
+                Call("add_request", (RequestSpec(request_id="skip", prompt=PROMPT, skip_reading_prefix_cache=True),)),
+                Call("step")]
+    return program
+
+
+def test_shrunk_program_fails_the_same_way() -> None:
+    """CONF-RUN-3: the shrunk program is smaller, plainer, and fails with the same clause when replayed."""
+    session = Session(MUTANTS["skip-flag-ignored"].adapter)
+    shrinker = Shrinker(session, Capabilities(), seconds=60)
+    found = shrinker.replay(seed_scenario(noise=4))
+    assert Failure.of(found.violation) == Failure("OFF-READ-1")
+    shrunk = shrinker.shrink(found)
+    assert [call.operation for call in shrunk.program] == ["start", "add_request", "step"], shrunk.program
+    assert shrunk.program[0].args[0].async_scheduling is False and shrunk.program[0].args[0].eviction_policy == "lru"
+    assert Failure.of(shrinker.replay(shrunk.program).violation) == Failure("OFF-READ-1")
+
+
+def test_shrinking_keeps_to_the_capabilities() -> None:
+    """CONF-RUN-3: simplified engine settings stay within the adapter's capabilities and the run's scheduling."""
+    session = Session(MUTANTS["skip-flag-ignored"].adapter, scheduling="async")
+    shrinker = Shrinker(session, Capabilities(block_size_factors=(3,), eviction_policies=("arc",)), seconds=60)
+    config = shrinker.shrink(shrinker.replay(seed_scenario(noise=1))).program[0].args[0]
+    assert (config.block_size_factor, config.eviction_policy, config.async_scheduling) == (3, "arc", True)
+
+
+class FailsOnlyOnce(ReferenceAdapter):
+    """Answers one step wrongly in the first engine it builds, never again: a failure that does not replay."""
+
+    engines_built = itertools.count()
+
+    def start(self, config: EngineConfig) -> None:
+        super().start(config)
+        self.faulty = next(self.engines_built) == 1
+
+    def step(self):
+        observation = super().step()
+        if self.faulty and observation.scheduled_tokens:
+            return observation.model_copy(update={"scheduled_tokens": {**observation.scheduled_tokens, "ghost": 1}})
+        return observation
+
+
+def test_nondeterministic_adapter_is_reported() -> None:
+    """CONF-RUN-3: a failure that does not recur on replay is reported as found, and said to be nondeterministic."""
+    result = runner.run(FailsOnlyOnce, "fails-only-once", "ci", seed=0)
+    assert result.failed_clause == "SCHED-STEP-2", result.message
+    assert "not deterministic" in result.message
