@@ -6,9 +6,13 @@ profile's shrink budget (CONF-RUN-3).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from unittest import mock
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.internal.conjecture import providers
 
 
 @dataclass(frozen=True)
@@ -35,3 +39,22 @@ def profile_settings(name: str, seed_given: bool = False) -> settings:
                     phases=(Phase.explicit, Phase.reuse, Phase.generate), max_examples=profile.max_examples,
                     stateful_step_count=profile.stateful_step_count,
                     derandomize=profile.derandomize and not seed_given)
+
+
+@contextmanager
+def programs_from_seed_alone() -> Iterator[None]:
+    """Draw programs from the profile and seed alone, not from the modules the process has imported (CONF-RUN-4).
+
+    Hypothesis mixes constants found in the source of every local module loaded into what it draws, so the
+    same seed would draw other programs after one more import. Its cache of those constants is emptied on
+    the way in and out, so that tests run after the kit see their own constants again.
+    """
+    if not hasattr(providers, "_get_local_constants"):  # releases before local constants: nothing to turn off
+        yield
+        return
+    providers.CONSTANTS_CACHE.cache.clear()
+    try:
+        with mock.patch.object(providers, "_get_local_constants", providers.Constants):
+            yield
+    finally:
+        providers.CONSTANTS_CACHE.cache.clear()

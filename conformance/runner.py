@@ -17,7 +17,7 @@ from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Scheduling, Session, render
 from kvconform.conformance.machine import machine_for
-from kvconform.conformance.profiles import PROFILES, Profile, profile_settings
+from kvconform.conformance.profiles import PROFILES, Profile, profile_settings, programs_from_seed_alone
 from kvconform.conformance.shrinker import Replay, Shrinker
 
 
@@ -78,7 +78,7 @@ def run(
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
                        coverage=session.coverage)
     try:
-        with reporting.with_reporter(lambda text: None):  # the counterexample is the adapter's call program
+        with reporting.with_reporter(lambda text: None), programs_from_seed_alone():  # reported: the call program
             run_state_machine_as_test(machine, settings=profile_settings(profile, seed is not None))
     except ClauseViolation as violation:
         result.found_after = time.perf_counter() - started

@@ -5,6 +5,7 @@ Each test's docstring names the clause it tests; spec chapters list these tests 
 
 from __future__ import annotations
 
+import importlib
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -13,10 +14,12 @@ from hypothesis.errors import InvalidArgument
 from pydantic import ValidationError
 
 from kvconform.adapters.contract import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation
+from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.conformance import runner
 from kvconform.conformance.checks import ClauseViolation, Context
 from kvconform.conformance.execution import Execution, Session
 from kvconform.conformance.machine import engine_configs
+from kvconform.conformance.profiles import PROFILES, Profile
 from kvconform.reference import kv_content
 from kvconform.reference.connector import (
     ConnectorMetadata,
@@ -918,6 +921,20 @@ def test_configs_within_capabilities(data):
     assert (config.async_scheduling, config.eviction_policy, config.block_size_factor) == (False, "arc", 2)
     scheduling = data.draw(st.sampled_from(["sync", "async"]))
     assert data.draw(engine_configs(Capabilities(), scheduling)).async_scheduling is (scheduling == "async")
+
+
+def test_programs_do_not_depend_on_imports(monkeypatch, tmp_path):
+    """CONF-RUN-4: importing a local module full of constants does not change what a derandomised run draws."""
+    monkeypatch.setitem(PROFILES, "short", Profile(max_examples=5, stateful_step_count=20, shrink_seconds=1,
+                                                   derandomize=True))
+    def drawn():
+        result = runner.run(ReferenceAdapter, "reference", "short")
+        return result.rules, result.steps, dict(result.coverage)
+    before = drawn()
+    (tmp_path / "adapter_constants.py").write_text(f"SIZES = {list(range(300))}\nNAMES = {[f'r{i}' for i in range(50)]}\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    importlib.import_module("adapter_constants")
+    assert drawn() == before
 
 
 def test_harness_error_is_run_failure(monkeypatch):

@@ -311,9 +311,12 @@ class Mutant:
     lookup (CONN-MATCH-1) before that tenant loads the block (OFF-KEY-2); a changed order of admission shows
     in the schedule (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show
     as a missing release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak
-    check; a kept block evicted in a step with several store offers, where an eviction cannot be told apart
-    from one made for a later offer, shows as other victims than the policy's (OFF-LRU-1, OFF-ARC-1) or as
-    different blocks written (OFF-STORE-3).
+    check; stores whose source blocks are not flushed before reuse, or a leaked block that changes which free
+    blocks are reused and so which pending stores the reuse flushes, complete at other steps than the
+    reference's (OFF-MGR-1) before any write lands on a block a store still reads (XFER-SAFE-1); a kept
+    block evicted in a step with several store offers, where an eviction cannot be told apart from one made
+    for a later offer, shows as other victims than the policy's (OFF-LRU-1, OFF-ARC-1) or as different
+    blocks written (OFF-STORE-3).
     """
 
     part: type
@@ -350,7 +353,7 @@ MUTANTS = {
     "decoded-blocks-not-offloaded": row(DecodedBlocksNotOffloadedConnector, "#33881",
                                         "OFF-STORE-1", "OFF-READ-3"),
     "redundant-load": row(RedundantLoadConnector, "#29087", "CONN-LOAD-2"),
-    "frees-while-storing": row(FreesWhileStoringConnector, "#45823", "XFER-SAFE-1"),
+    "frees-while-storing": row(FreesWhileStoringConnector, "#45823", "XFER-SAFE-1", "OFF-MGR-1"),
     "leaks-on-abort-during-load": row(LeaksOnAbortDuringLoadEngine, "#32255", "LIFE-LEAK-1", "LIFE-FREE-1"),
     "loaded-requests-not-first": row(LoadedRequestsNotFirstEngine, "#45388",
                                      "LIFE-LIVE-1", "SCHED-STEP-2", "OFF-MGR-1"),
@@ -370,6 +373,6 @@ MUTANTS = {
     "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-1"),
     "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),
     "leaks-block-on-abort": row(LeaksBlockOnAbortEngine, "no leaks",
-                                "LIFE-LEAK-1", "PFX-RESET-1", "SCHED-STEP-2"),
+                                "LIFE-LEAK-1", "PFX-RESET-1", "SCHED-STEP-2", "OFF-MGR-1"),
 }
 """Mutant name → catalogue row: first the vLLM bug catalogue of the design notes, then contract and integrity faults."""
