@@ -251,6 +251,20 @@ def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObser
 # --- differential comparisons: the connector's lookups and answers, the schedule, then its consequences
 
 
+@check("SCHED-ORDER-1")
+def check_schedule_order(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The requests both engines scheduled are scheduled in the reference's order.
+
+    Compared first: the order in which the scheduler considers requests decides what the later ones find in
+    the prefix cache, so a wrong order shows next in the connector's answers.
+    """
+    both = ref.scheduled_tokens.keys() & sut.scheduled_tokens.keys()
+    if len(both) > 1:
+        ctx.exercise("SCHED-ORDER-1")
+    _differ("SCHED-ORDER-1", "order of the requests both engines scheduled",
+            [r for r in ref.scheduled_tokens if r in both], [r for r in sut.scheduled_tokens if r in both])
+
+
 @check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
 def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The store is looked up from the first block past the local hit, in order, up to the first miss."""

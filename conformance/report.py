@@ -47,6 +47,8 @@ class RunReport(BaseModel):
     passed: bool = Field(description="no failure: no clause broken beyond the known failures, none stale, no hang")
     outcome: Outcome = Field(description="ok, fail, or info: unknown, an adapter call never returned (CONF-CALL-2)")
     seconds: float = Field(description="wall-clock duration of the run")
+    found_after: float | None = Field(None, description="seconds until the first failing program was found, before "
+                                                        "shrinking; None when the run found none")
     rules: int = Field(description="state-machine rules run (Hypothesis's stateful steps), each one or more adapter calls")
     steps: int = Field(description="engine steps compared between the adapter and the reference")
     failed_clause: str | None = Field(description="the clause the run failed on")
@@ -75,7 +77,8 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
         seed=result.seed, scheduling=result.scheduling, passed=result.passed, outcome=result.outcome,
-        seconds=round(result.seconds, 3), rules=result.rules, steps=result.steps,
+        seconds=round(result.seconds, 3),
+        found_after=None if result.found_after is None else round(result.found_after, 3), rules=result.rules, steps=result.steps,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         program=result.program,
         adapter_traceback=result.adapter_traceback, known_failures=known_failures or {}, clauses=clauses,

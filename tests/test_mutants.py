@@ -15,12 +15,18 @@ def test_reference_conforms() -> None:
     assert result.passed, f"[{result.failed_clause}] {result.message}\n{result.counterexample}"
 
 
+MAX_SHRUNK_REQUESTS = 6
+"""The most requests a shrunk counterexample of the catalogue keeps at the ci seed: loaded-requests-not-first needs
+two stored prefixes, two requests loading them and two that compete with them for blocks."""
+
+
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_killed_with_its_clause(name: str) -> None:
     """The ci profile (derandomised: a fixed seed) kills the mutant with a clause its catalogue row names."""
     result = kill(name, "ci", seed=None)
     assert result.verdict == "killed", f"{name}: {result.verdict} ({result.failed_clause}: {result.message})"
-    assert result.requests <= 5, f"{name}: the counterexample kept {result.requests} requests:\n{result.counterexample}"
+    assert result.requests <= MAX_SHRUNK_REQUESTS, (f"{name}: the counterexample kept {result.requests} requests:\n"
+                                                    f"{result.counterexample}")
 
 
 @pytest.mark.parametrize("name", vectors.bundled())

@@ -203,9 +203,11 @@ class VllmSimpleCPUAdapter(VllmAdapter):
             self.transfers.issue(2 * meta.store_event + STORE, True, meta.store_gpu_blocks)
 
     def store_refs(self, gpu_blocks: list[int]) -> list[BlockRef]:
-        """Name the GPU blocks of a store event by the request block each holds."""
+        """Name the GPU blocks of a store event by the request block each holds; a block that several requests hold
+        (a prefix hit) is named after a request whose blocks this step's store walked past (its offers)."""
+        offered = {offer.request_id for offer in self.record["offers"]}
         owner = {}
-        for request_id, state in self.manager._reqs_to_store.items():
+        for request_id, state in sorted(self.manager._reqs_to_store.items(), key=lambda item: item[0] not in offered):
             for position, block in enumerate(state.block_ids[0]):
                 owner.setdefault(block, BlockRef(request_id=request_id, index=position))
         return [owner[block] for block in gpu_blocks]

@@ -309,6 +309,7 @@ class Mutant:
     consequence the kit sees earlier: a key collision makes the store skip a write (OFF-STORE-3), hold or
     evict other blocks than the reference's (OFF-MGR-1, OFF-LRU-1, OFF-ARC-1) or answer another tenant's
     lookup (CONN-MATCH-1) before that tenant loads the block (OFF-KEY-2); a changed order of admission shows
+    as requests scheduled in another order (SCHED-ORDER-1), or, when a request left behind cannot fit at all,
     in the schedule (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show
     as a missing release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak
     check; stores whose source blocks are not flushed before reuse, or a leaked block that changes which free
@@ -356,7 +357,7 @@ MUTANTS = {
     "frees-while-storing": row(FreesWhileStoringConnector, "#45823", "XFER-SAFE-1", "OFF-MGR-1"),
     "leaks-on-abort-during-load": row(LeaksOnAbortDuringLoadEngine, "#32255", "LIFE-LEAK-1", "LIFE-FREE-1"),
     "loaded-requests-not-first": row(LoadedRequestsNotFirstEngine, "#45388",
-                                     "LIFE-LIVE-1", "SCHED-STEP-2", "OFF-MGR-1"),
+                                     "SCHED-ORDER-1", "LIFE-LIVE-1", "SCHED-STEP-2", "OFF-MGR-1"),
     "tenantless-offload-key": row(TenantlessKeyConnector, "#44701",
                                   "OFF-KEY-2", "CONN-MATCH-1", "OFF-STORE-3", "OFF-STORE-1", "OFF-MGR-1",
                                   "OFF-LRU-1", "OFF-ARC-1"),
