@@ -89,10 +89,13 @@ class HeldSimpleWorker:
         return None, recving or None
 
     def build_connector_worker_meta(self) -> Any:
+        """Report the store events completed since the last call, each once (as vLLM's worker does)."""
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-        return SimpleCPUOffloadWorkerMetadata(completed_store_events=self.completed_stores) \
-            if self.completed_stores else None
+        if not self.completed_stores:
+            return None
+        completed, self.completed_stores = self.completed_stores, {}
+        return SimpleCPUOffloadWorkerMetadata(completed_store_events=completed)
 
 
 class VllmSimpleCPUAdapter(VllmAdapter):
