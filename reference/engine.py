@@ -7,6 +7,7 @@ in step k is that of step k-1 (SCHED-ASYNC-1).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,10 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loads_done: dict[str, bool] = {}
+        self.skipped: dict[str, int] = {}
+        """Waiting requests skipped in an earlier step (loading, or asked again later) → the order they were first
+        skipped in; they are considered before the other waiting requests (SCHED-ORDER-1)."""
+        self.skip_order = itertools.count()
         self.delayed_free: set[str] = set()
         self.preempted_since_schedule: set[str] = set()
         self.inflight_prefills: set[str] = set()
@@ -129,6 +134,7 @@ class Engine:
         """Finish a request: ask the connector, then free or delay (CONN-FIN-1, LIFE-FREE-1)."""
         request.status = status
         self.inflight_prefills.discard(request.request_id)
+        self.skipped.pop(request.request_id, None)
         self._step_finished.append(request.request_id)
         self.finished_since_schedule.append(request.request_id)
         if self.connector.request_finished(request, self.kv.blocks_of(request.request_id)):
@@ -264,6 +270,7 @@ class Engine:
                 answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
                 self.recorder.answers.append((request.request_id, num_local, answer, load_async))
                 if answer is None:
+                    self.skip(request)
                     continue
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
@@ -284,7 +291,9 @@ class Engine:
             if load_async:
                 request.num_local_hit_tokens = num_local
                 request.status = RequestStatus.WAITING_FOR_LOAD
+                self.skip(request)
                 continue
+            self.skipped.pop(request.request_id, None)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -296,9 +305,16 @@ class Engine:
         """Return the blocks that in-flight prefills still need to hold their full sequence (SCHED-ADMIT-1)."""
         return sum(max(-(-self.requests[r].num_tokens // self.config.block_size) - len(self.kv.blocks_of(r)), 0)
                    for r in self.inflight_prefills)
+
+    def skip(self, request: Request) -> None:
+        """Leave a waiting request for a later step, behind those skipped before it (SCHED-ORDER-1)."""
+        if request.request_id not in self.skipped:
+            self.skipped[request.request_id] = next(self.skip_order)
+
     def order_waiting(self) -> None:
-        """Put the waiting requests that hold GPU blocks (admitted with a load) first, in queue order (SCHED-ORDER-1)."""
-        self.waiting.sort(key=lambda request: not self.kv.blocks_of(request.request_id))
+        """Put the waiting requests skipped in an earlier step first, in the order they were skipped (SCHED-ORDER-1)."""
+        self.waiting.sort(key=lambda request: (request.request_id not in self.skipped,
+                                               self.skipped.get(request.request_id, 0)))
 
     def _finish_load(self, request: Request, success: bool) -> None:
         """Make a finished load's tokens computed, or fall back to the local hit (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""

@@ -685,6 +685,30 @@ def test_block_holders_first_in_every_step(engine):
     assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
 
 
+def test_deferred_request_keeps_its_place_among_loads(engine):
+    """SCHED-ORDER-1: a request whose lookup is deferred while another loads its block is skipped like the loading
+    ones and keeps its queue place among them: once the loads are done, the three run in arrival order (vLLM 0.24)."""
+    e = engine(num_gpu_blocks=64, block_size_factor=3, num_offload_blocks=2, max_num_batched_tokens=16)
+    prompt, long_prompt = (2,) * 8 + (3, 1, 0, 0), (0, 2) * 23 + (0, 1)
+    e.add_request(RequestSpec(request_id="writer", prompt=prompt + (1, 0, 1), max_tokens=2))
+    e.add_request(RequestSpec(request_id="short", prompt=(0, 2) * 4, max_tokens=3))
+    e.add_request(RequestSpec(request_id="long_writer", prompt=long_prompt, lora_name="lora-x"))
+    while e.waiting or e.running or e.in_flight_job_count():
+        e.complete_transfers(False, False)
+        e.step()
+    assert e.reset_prefix_cache()
+    for request_id in ("first", "deferred"):
+        e.add_request(RequestSpec(request_id=request_id, prompt=prompt))
+    e.add_request(RequestSpec(request_id="last", prompt=long_prompt[:24] + (3, 3, 3), lora_name="lora-x"))
+    answers = e.step().trace.answers
+    assert [(request_id, external) for request_id, _, external, _ in answers] == [
+        ("first", 12), ("deferred", None), ("last", 12)]
+    e.step()
+    e.complete_transfers(False, False)
+    e.step()
+    assert list(e.step().scheduled_tokens) == ["first", "deferred", "last"]
+
+
 def test_two_loads_never_deadlock(engine):
     """SCHED-ADMIT-1: an admission with a load leaves free the blocks an earlier load's request still needs, so two
     loads never wait for each other's blocks (found by the state machine as LIFE-LIVE-1; vLLM #45388)."""

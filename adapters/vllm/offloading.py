@@ -74,12 +74,14 @@ class VllmOffloadingAdapter(VllmAdapter):
         }
 
     def flushes_on_hit(self) -> bool:
-        """Return whether a pending store is flushed when its blocks become a hit (LIFE-FREE-2): 0.34's
-        `update_state_after_alloc` adds every block of an admitted request to the step's allocated blocks."""
+        """Return whether a pending store is flushed when its blocks become a hit (LIFE-FREE-2): from 0.23 on,
+        `_update_req_states` adds the whole block table of every newly scheduled or resumed request (`yield_req_data`),
+        hit blocks included, to the step's allocated blocks, whose pending stores `build_connector_meta` flushes;
+        0.34's `update_state_after_alloc` adds those of a request admitted with a load as well."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 
-        source = inspect.getsource(OffloadingConnectorScheduler.update_state_after_alloc)
-        return source.index("_current_batch_allocated_block_ids") < source.index("if num_external_tokens == 0")
+        source = inspect.getsource(OffloadingConnectorScheduler._update_req_states)
+        return "yield_req_data" in source and "_current_batch_allocated_block_ids" in source
 
     def start(self, config: EngineConfig) -> None:
         self.manager: Any = None
