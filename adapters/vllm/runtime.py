@@ -77,13 +77,18 @@ class Runtime:
             ),
             cache_config=cfg.CacheConfig(block_size=config.block_size, enable_prefix_caching=True),
             kv_transfer_config=cfg.KVTransferConfig(kv_connector=connector, kv_role="kv_both",
-                                                    kv_connector_extra_config=extra_config),
+                                                    kv_connector_extra_config=extra_config, **LOAD_FAILURES_RECOMPUTED
+                                                    if hasattr(cfg.KVTransferConfig, "kv_load_failure_policy") else {}),
             device_config=cfg.DeviceConfig("cpu"),
         )
         vllm_config.scheduler_config.async_scheduling = config.async_scheduling
         vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
         return vllm_config
 
+
+LOAD_FAILURES_RECOMPUTED = {"kv_load_failure_policy": "recompute"}
+"""A failed load falls back to the local hit and the rest is recomputed (LIFE-LOAD-3); vLLM's default, "fail",
+finishes the request with an error instead."""
 
 _IMPORTS = {
     "config": "vllm.config",
