@@ -8,6 +8,7 @@ in step k is that of step k-1 (SCHED-ASYNC-1).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -313,8 +314,7 @@ class Engine:
 
     def order_waiting(self) -> None:
         """Put the waiting requests skipped in an earlier step first, in the order they were skipped (SCHED-ORDER-1)."""
-        self.waiting.sort(key=lambda request: (request.request_id not in self.skipped,
-                                               self.skipped.get(request.request_id, 0)))
+        self.waiting.sort(key=lambda request: self.skipped.get(request.request_id, math.inf))
 
     def _finish_load(self, request: Request, success: bool) -> None:
         """Make a finished load's tokens computed, or fall back to the local hit (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""
