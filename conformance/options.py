@@ -42,6 +42,7 @@ class RunOptions:
     scheduling: Scheduling = "both"
     call_timeout: float = DEFAULT_CALL_TIMEOUT
     known_failures: dict[str, str] = field(default_factory=dict)
+    rare_known_failures: frozenset[str] = frozenset()
     report_path: Path | None = None
     junit_path: Path | None = None
     certify: bool = False
@@ -61,23 +62,23 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
     for path in (report_path, junit_path):
         if path is not None:
             check_writable(path)
-    known: dict[str, str] = {}
+    known = baseline.Baseline()
     if known_failures_path is not None:
         try:
-            known = baseline.load(known_failures_path).entries
+            known = baseline.load(known_failures_path)
         except baseline.BaselineError as error:
             raise UsageProblem(str(error)) from None
     factory, capabilities, version = _probe(adapter_spec, call_timeout)
     if scheduling == "async" and not capabilities.async_scheduling:
         raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
-    return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout, known,
-                      report_path, junit_path, certify)
+    return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout,
+                      known.entries, frozenset(known.rare), report_path, junit_path, certify)
 
 
 def run(options: RunOptions, on_example: Callable[[], None] | None = None) -> report.RunReport:
     """Run the state machine as `options` say and return its report (not yet written)."""
     result = runner.run(options.factory, options.adapter_spec, options.profile, options.seed, on_example=on_example,
-                        call_timeout=options.call_timeout, baseline=baseline.Baseline(dict(options.known_failures)),
+                        call_timeout=options.call_timeout, baseline=baseline.Baseline(dict(options.known_failures), set(options.rare_known_failures)),
                         scheduling=options.scheduling)
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures)
 

@@ -56,6 +56,18 @@ def test_stale_known_failure_fails_the_run() -> None:
     assert (result.passed, result.failed_clause) == (False, "CONF-RUN-2") and "OFF-READ-1" in result.message
 
 
+def test_rare_known_failure_is_not_stale(tmp_path: Path) -> None:
+    """CONF-RUN-2: a listed clause marked rare that never fails does not fail the run; unmarked entries still do."""
+    path = tmp_path / "known.txt"
+    path.write_text("OFF-READ-1 [rare]: only some programs reach it\nOFF-LRU-1: always\n")
+    known = baseline.load(path)
+    assert (known.entries.keys(), known.rare, known.stale()) == ({"OFF-READ-1", "OFF-LRU-1"}, {"OFF-READ-1"},
+                                                                 ["OFF-LRU-1"])
+    result = runner.run(MUTANTS["skip-flag-ignored"].adapter.__mro__[1], "reference", "smoke",
+                        baseline=baseline.Baseline({"OFF-READ-1": "rare"}, {"OFF-READ-1"}))
+    assert result.passed, result.message
+
+
 @pytest.mark.parametrize("text, message", [
     ("OFF-READ-1\n", "expected 'CLAUSE-ID: reason'"),
     ("NOPE-1: reason\n", "NOPE-1 is not a clause"),
