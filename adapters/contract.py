@@ -38,6 +38,12 @@ class EngineConfig(_Frozen):
                                                   "local hit (LIFE-FREE-2)")
     preempt_in_flight: bool = Field(True, description="preempt a request even while the step in flight holds its "
                                                       "blocks (SCHED-PREEMPT-1)")
+    lookup_after_failed_load: bool = Field(True, description="look the store up again for a request one of whose "
+                                                             "loads failed (LIFE-LOAD-4)")
+    restart_offers_on_lookup: bool = Field(False, description="each lookup of a request makes it offer its blocks "
+                                                              "from the first one again (OFF-STORE-7)")
+    deferred_first: bool = Field(False, description="consider a request whose lookup was deferred before the other "
+                                                    "waiting requests, after those holding blocks (SCHED-ORDER-1)")
 
     def __repr__(self) -> str:
         return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in self.model_dump().items())})"
@@ -124,7 +130,8 @@ class ResourceUsage(_Frozen):
     unfinished_requests: int = Field(ge=0)
 
 
-VARIANTS = ("offer_at_finish", "flush_on_hit", "preempt_in_flight")
+VARIANTS = ("offer_at_finish", "flush_on_hit", "preempt_in_flight", "lookup_after_failed_load",
+            "restart_offers_on_lookup", "deferred_first")
 """EngineConfig fields that name a behaviour releases of one implementation differ in: the capability of the same
 name lists the values an implementation has, and the reference follows the value the config carries."""
 
@@ -145,6 +152,14 @@ class Capabilities(_Frozen):
                                                                    "become a local hit (LIFE-FREE-2)")
     preempt_in_flight: tuple[bool, ...] = Field((True,), description="whether a request is preempted even while the "
                                                                        "step in flight holds its blocks (SCHED-PREEMPT-1)")
+    lookup_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed is "
+                                                                              "looked up again (LIFE-LOAD-4)")
+    restart_offers_on_lookup: tuple[bool, ...] = Field((False,), description="whether each lookup of a request makes "
+                                                                               "it offer its blocks from the first one "
+                                                                               "again (OFF-STORE-7)")
+    deferred_first: tuple[bool, ...] = Field((False,), description="whether a request whose lookup was deferred is "
+                                                                     "considered before the other waiting requests "
+                                                                     "(SCHED-ORDER-1)")
     kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
 

@@ -265,6 +265,30 @@ def check_schedule_order(ctx: Context, ref: StepObservation, sut: StepObservatio
             [r for r in ref.scheduled_tokens if r in both], [r for r in sut.scheduled_tokens if r in both])
 
 
+@check("SCHED-ORDER-1")
+def check_block_holders_run(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A waiting request holding GPU blocks that the reference ran this step, the adapter ran before other waiting ones.
+
+    Such a request comes before every other waiting request. The order among the requests both scheduled does
+    not show an adapter that passed it over: it may schedule it after a request the reference left waiting, or
+    not at all.
+    """
+    still_waiting = {request.request_id for request in ctx.oracle.waiting}
+    scheduled = list(sut.scheduled_tokens)
+    for request_id in ctx.oracle.resumed:
+        ctx.exercise("SCHED-ORDER-1")
+        if request_id not in scheduled:
+            passed_over = "did not schedule it"
+        else:
+            ahead = [r for r in scheduled[: scheduled.index(request_id)] if r in still_waiting]
+            if not ahead:
+                continue
+            passed_over = f"scheduled {ahead} before it"
+        raise ClauseViolation("SCHED-ORDER-1", f"{request_id!r} waited holding GPU blocks until its load ended, so it "
+                                               f"comes before every other waiting request: the reference scheduled "
+                                               f"it, the adapter {passed_over}")
+
+
 @check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
 def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The store is looked up from the first block past the local hit, in order, up to the first miss."""
@@ -317,13 +341,21 @@ def check_computed_tokens(ctx: Context, ref: StepObservation, sut: StepObservati
 
 @check("OFF-READ-3")
 def check_skip_read_still_stores(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """A skip-read request's computed blocks are offered to the store exactly as for any request."""
+    """Every block the reference offers to the store for a skip-read request, the adapter offers in the same step.
+
+    Only missing offers break the rule: that the offers match exactly, skip-read or not, is OFF-STORE-1's.
+    """
     skipping = {rid for rid, spec in ctx.requests.items() if spec.skip_reading_prefix_cache}
-    ref_offers = {r: v for r, v in _by_request(ref.store_offers).items() if r in skipping}
-    sut_offers = {r: v for r, v in _by_request(sut.store_offers).items() if r in skipping}
-    if ref_offers:
+    offered = {r: {i for job in jobs for i in job} for r, jobs in _by_request(sut.store_offers).items()}
+    for request_id, jobs in _by_request(ref.store_offers).items():
+        if request_id not in skipping:
+            continue
         ctx.exercise("OFF-READ-3")
-    _differ("OFF-READ-3", "blocks of skip-read requests offered to the store", ref_offers, sut_offers)
+        missing = sorted({i for job in jobs for i in job} - offered.get(request_id, set()))
+        if missing:
+            raise ClauseViolation("OFF-READ-3", f"skip-read request {request_id!r}: its computed blocks {missing} "
+                                                f"were not offered to the store (reference offers {jobs}, adapter "
+                                                f"{_by_request(sut.store_offers).get(request_id, [])})")
 
 
 @check("XFER-LOAD-2")

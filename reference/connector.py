@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvconform.adapters.contract import EngineConfig
 from kvconform.reference.offload_manager import OffloadKey, OffloadManager
 from kvconform.reference.recorder import StepRecorder
 from kvconform.reference.request import Request, RequestStatus
@@ -79,19 +80,19 @@ class RequestOffloadState:
     finished: bool = False
     block_ids: list[int] = field(default_factory=list)
     finish_offer_due: bool = False
+    load_failed: bool = False
 
 
 class OffloadConnectorScheduler:
     """Scheduler side of the connector (chapter `connector`)."""
 
-    def __init__(self, manager: OffloadManager, block_size: int, block_size_factor: int, recorder: StepRecorder,
-                 offer_at_finish: bool = False, flush_on_hit: bool = False):
+    def __init__(self, manager: OffloadManager, config: EngineConfig, recorder: StepRecorder):
+        """`config` gives the block sizes and the behaviour variants the connector follows (its `VARIANTS` fields)."""
         self.manager = manager
-        self.offer_at_finish = offer_at_finish
-        self.flush_on_hit = flush_on_hit
-        self.block_size = block_size
-        self.factor = block_size_factor
-        self.offloaded_block_size = block_size * block_size_factor
+        self.config = config
+        self.block_size = config.block_size
+        self.factor = config.block_size_factor
+        self.offloaded_block_size = config.block_size * config.block_size_factor
         self.recorder = recorder
         self.states: dict[str, RequestOffloadState] = {}
         self.jobs: dict[int, TransferJob] = {}
@@ -124,12 +125,15 @@ class OffloadConnectorScheduler:
         self.states[request.request_id] = RequestOffloadState(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Return the loadable tokens past the local hit and if the load is async (CONN-MATCH-1, CONN-MATCH-4, OFF-READ-2)."""
+        """Return the loadable tokens past the local hit and if the load is async (CONN-MATCH-1, CONN-MATCH-4, OFF-READ-2,
+        LIFE-LOAD-4, OFF-STORE-7)."""
         state = self.states[request.request_id]
+        if self.config.restart_offers_on_lookup:
+            state.next_stored_index = 0
         if state.transfer_jobs:
             return None, False
         state.num_local_tokens = num_computed_tokens
-        if request.skip_reading_prefix_cache:
+        if request.skip_reading_prefix_cache or (state.load_failed and not self.config.lookup_after_failed_load):
             num_hit_tokens: int | None = 0
         else:
             num_hit_tokens = self._lookup(state)
@@ -201,7 +205,7 @@ class OffloadConnectorScheduler:
             state = self.states.get(request_id)
             if state is not None:
                 flush |= {job_id for job_id in state.transfer_jobs if self.jobs[job_id].is_store}
-        reused = output.allocated_block_ids | (output.hit_block_ids if self.flush_on_hit else set())
+        reused = output.allocated_block_ids | (output.hit_block_ids if self.config.flush_on_hit else set())
         for block_id in reused & self.store_jobs_by_gpu_block.keys():  # LIFE-FREE-2
             flush |= self.store_jobs_by_gpu_block[block_id]
         meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output, flush), flush)
@@ -297,9 +301,10 @@ class OffloadConnectorScheduler:
                     self.keys_being_loaded.difference_update(job.keys)
             for block_id in job.gpu_blocks:
                 self._forget_store_reader(block_id, job_id)
+            state = self.states[job.request_id]
             if not job.is_store:
                 update.loads_done[job.request_id] = success
-            state = self.states[job.request_id]
+                state.load_failed |= not success
             state.transfer_jobs.discard(job_id)
             if state.finished and not state.transfer_jobs:
                 if not state.finish_offer_due:
@@ -323,7 +328,7 @@ class OffloadConnectorScheduler:
         state = self.states.get(request.request_id)
         if state is None:
             return False
-        if self.offer_at_finish:
+        if self.config.offer_at_finish:
             state.block_ids, state.finish_offer_due = list(block_ids), True
         elif not state.transfer_jobs:
             del self.states[request.request_id]

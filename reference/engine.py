@@ -8,7 +8,6 @@ in step k is that of step k-1 (SCHED-ASYNC-1).
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -63,8 +62,7 @@ class Engine:
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size)
         self.recorder = StepRecorder()
         self.manager = self.manager_class(config.num_offload_blocks, config.eviction_policy)
-        self.connector = self.connector_class(self.manager, config.block_size, config.block_size_factor, self.recorder,
-                                              config.offer_at_finish, config.flush_on_hit)
+        self.connector = self.connector_class(self.manager, config, self.recorder)
         self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
                                        config.block_size_factor, config.token_width, config.kv_dtype, device)
         self.worker = self.worker_class(self.transfer)
@@ -72,10 +70,13 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.loads_done: dict[str, bool] = {}
-        self.skipped: dict[str, int] = {}
-        """Waiting requests skipped in an earlier step (loading, or asked again later) → the order they were first
-        skipped in; they are considered before the other waiting requests (SCHED-ORDER-1)."""
+        self.holders: dict[str, int] = {}
+        """Waiting requests that hold GPU blocks, admitted with a load → when; considered first until they run."""
+        self.deferred: dict[str, int] = {}
+        """With `deferred_first`, waiting requests whose lookup was deferred → when; considered next until they run."""
         self.skip_order = itertools.count()
+        self.resumed: list[str] = []
+        """Block holders that the latest step ran (SCHED-ORDER-1)."""
         self.delayed_free: set[str] = set()
         self.preempted_since_schedule: set[str] = set()
         self.inflight_prefills: set[str] = set()
@@ -135,7 +136,8 @@ class Engine:
         """Finish a request: ask the connector, then free or delay (CONN-FIN-1, LIFE-FREE-1)."""
         request.status = status
         self.inflight_prefills.discard(request.request_id)
-        self.skipped.pop(request.request_id, None)
+        self.holders.pop(request.request_id, None)
+        self.deferred.pop(request.request_id, None)
         self._step_finished.append(request.request_id)
         self.finished_since_schedule.append(request.request_id)
         if self.connector.request_finished(request, self.kv.blocks_of(request.request_id)):
@@ -172,6 +174,7 @@ class Engine:
         scheduled: dict[str, int] = {}
         writes: set[int] = set()
         reads_in_flight: set[int] = set()
+        self.resumed = []
         if self.has_work():
             output = self._schedule()
             if self.config.async_scheduling and output.num_scheduled_tokens:
@@ -271,8 +274,9 @@ class Engine:
                 answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
                 self.recorder.answers.append((request.request_id, num_local, answer, load_async))
                 if answer is None:
-                    self.skip(request)
-                    continue
+                    if self.config.deferred_first:
+                        self.deferred.setdefault(request.request_id, next(self.skip_order))
+                    continue  # asked again in a later step (SCHED-ORDER-1)
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
@@ -292,9 +296,11 @@ class Engine:
             if load_async:
                 request.num_local_hit_tokens = num_local
                 request.status = RequestStatus.WAITING_FOR_LOAD
-                self.skip(request)
+                self.holders.setdefault(request.request_id, next(self.skip_order))
                 continue
-            self.skipped.pop(request.request_id, None)
+            if self.holders.pop(request.request_id, None) is not None:
+                self.resumed.append(request.request_id)
+            self.deferred.pop(request.request_id, None)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -307,27 +313,28 @@ class Engine:
         return sum(max(-(-self.requests[r].num_tokens // self.config.block_size) - len(self.kv.blocks_of(r)), 0)
                    for r in self.inflight_prefills)
 
-    def skip(self, request: Request) -> None:
-        """Leave a waiting request for a later step, behind those skipped before it (SCHED-ORDER-1)."""
-        if request.request_id not in self.skipped:
-            self.skipped[request.request_id] = next(self.skip_order)
-
     def order_waiting(self) -> None:
-        """Put the waiting requests skipped in an earlier step first, in the order they were skipped (SCHED-ORDER-1)."""
-        self.waiting.sort(key=lambda request: self.skipped.get(request.request_id, math.inf))
+        """Put the waiting requests that hold GPU blocks first, in the order their loads were admitted, then with
+        `deferred_first` those whose lookup was deferred, in the order they were deferred (SCHED-ORDER-1)."""
+        def rank(request: Request) -> tuple[int, int]:
+            request_id = request.request_id
+            if request_id in self.holders:
+                return 0, self.holders[request_id]
+            if request_id in self.deferred:
+                return 1, self.deferred[request_id]
+            return 2, 0
+
+        self.waiting.sort(key=rank)
 
     def _finish_load(self, request: Request, success: bool) -> None:
-        """Make a finished load's tokens computed, or fall back to the local hit (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""
-        if success:
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens == request.num_tokens:
-                request.num_computed_tokens -= 1
+        """Cache a finished load's blocks, or after a failure those of the local hit the request fell back to
+        (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""
+        if not success and request.num_computed_tokens == 0:
+            self.kv.free(request.request_id)  # nothing was hit: admitted afresh
         else:
-            request.num_computed_tokens = request.num_local_hit_tokens
-            if request.num_computed_tokens == 0:
-                self.kv.free(request.request_id)
-            else:
-                self.kv.cache_blocks(request, request.num_computed_tokens)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens -= 1
         request.status = RequestStatus.WAITING
 
     def _advance(self, output: SchedulerOutput) -> dict[str, int]:
@@ -386,6 +393,8 @@ class Engine:
                 continue
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             request.append_output(token)  # also for a request preempted meanwhile (LIFE-PREEMPT-1)
+            if self.config.async_scheduling and request.status is RequestStatus.RUNNING:
+                self.kv.cache_blocks(request, request.num_computed_tokens - request.num_output_placeholders)  # PFX-HIT-2
             if self.reached_end(request):
                 (self.running if request in self.running else self.waiting).remove(request)
                 self._finish(request, RequestStatus.FINISHED)
@@ -394,8 +403,11 @@ class Engine:
             self.delayed_free.discard(request_id)
             self._free(request_id)
         for request_id, success in update.loads_done.items():
-            if not self.requests[request_id].is_finished:
+            request = self.requests[request_id]
+            if not request.is_finished:
                 self.loads_done[request_id] = success
+                if not success:
+                    request.num_computed_tokens = request.num_local_hit_tokens  # LIFE-LOAD-3
 
     # --- observation helpers ------------------------------------------------------------
 

@@ -87,7 +87,8 @@ def loading(primed) -> Engine:
 @pytest.fixture
 def conn():
     def make(slots: int = 8, factor: int = 1, policy: str = "lru") -> OffloadConnectorScheduler:
-        return OffloadConnectorScheduler(OffloadManager(slots, policy), 4, factor, StepRecorder())
+        return OffloadConnectorScheduler(OffloadManager(slots, policy), EngineConfig(block_size=4, block_size_factor=factor),
+                                         StepRecorder())
     return make
 
 
@@ -156,6 +157,19 @@ def test_only_full_computed_blocks_are_cached():
     assert len(kv.pool.cached) == 2
     kv.cache_blocks(req("b", (0,) * 8), 8)
     assert len(kv.pool.cached) == 4
+
+
+def test_async_block_completed_by_an_output_cached_when_processed(engine):
+    """PFX-HIT-2: with async scheduling, a block whose last token was an output in flight when its computation was
+    scheduled is cached once that output is processed, also when the output ends the request."""
+    e = engine(async_scheduling=True)
+    e.add_request(RequestSpec(request_id="r", prompt=(1, 0, 3, 2, 0, 3), max_tokens=3))
+    while e.has_work() or e.in_flight is not None:
+        e.complete_transfers(False, False)
+        e.step()
+    r = e.requests["r"]
+    e.add_request(RequestSpec(request_id="again", prompt=r.prompt + tuple(r.output)))
+    assert e.step().trace.answers[0][:2] == ("again", 8)
 
 
 def test_duplicate_block_found_once_the_first_is_evicted():
@@ -422,6 +436,20 @@ def test_loaded_hit_is_not_offered_again(conn):
     assert c.recorder.store_offers == []
 
 
+@pytest.mark.parametrize("restart_offers_on_lookup", [False, True])
+def test_offers_restart_on_lookup_if_declared(engine, restart_offers_on_lookup):
+    """OFF-STORE-7: a preempted request asked about again offers its blocks from the first one again only if the
+    config says so; otherwise the blocks it offered before its preemption count as offered."""
+    e = engine(restart_offers_on_lookup=restart_offers_on_lookup)
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT, max_tokens=3))
+    assert e.step().trace.store_offers == [("r", [0, 1, 2])]
+    e.preempt("r")
+    assert e.step().scheduled_tokens == {}, "no admission in the step after a preemption (SCHED-ORDER-1)"
+    resumed = e.step().trace
+    assert resumed.answers == [("r", 12, 0, False)]
+    assert resumed.store_offers == ([("r", [0, 1, 2])] if restart_offers_on_lookup else [])
+
+
 def test_finished_request_offered_at_the_next_step(engine):
     """OFF-STORE-6: with offer_at_finish, the step after a request finishes offers its computed blocks not stored
     yet; under async scheduling that is the block its last step computed."""
@@ -685,28 +713,50 @@ def test_block_holders_first_in_every_step(engine):
     assert all(r.is_finished for r in e.requests.values()), {k: r.status for k, r in e.requests.items()}
 
 
-def test_deferred_request_keeps_its_place_among_loads(engine):
-    """SCHED-ORDER-1: a request whose lookup is deferred while another loads its block is skipped like the loading
-    ones and keeps its queue place among them: once the loads are done, the three run in arrival order (vLLM 0.24)."""
-    e = engine(num_gpu_blocks=64, block_size_factor=3, num_offload_blocks=2, max_num_batched_tokens=16)
+def deferred_between_loads(e: Engine, before: tuple[str, ...] = ()) -> None:
+    """Queue `before`, then "first" and "last", admitted with loads, and between them "deferred", whose lookup is
+    deferred while "first" loads its block, and run the step that admits them."""
     prompt, long_prompt = (2,) * 8 + (3, 1, 0, 0), (0, 2) * 23 + (0, 1)
     e.add_request(RequestSpec(request_id="writer", prompt=prompt + (1, 0, 1), max_tokens=2))
     e.add_request(RequestSpec(request_id="short", prompt=(0, 2) * 4, max_tokens=3))
     e.add_request(RequestSpec(request_id="long_writer", prompt=long_prompt, lora_name="lora-x"))
-    while e.waiting or e.running or e.in_flight_job_count():
+    while e.has_work():
         e.complete_transfers(False, False)
         e.step()
     assert e.reset_prefix_cache()
+    for request_id in before:
+        e.add_request(RequestSpec(request_id=request_id, prompt=(3,) * 5, max_tokens=8))
     for request_id in ("first", "deferred"):
         e.add_request(RequestSpec(request_id=request_id, prompt=prompt))
     e.add_request(RequestSpec(request_id="last", prompt=long_prompt[:24] + (3, 3, 3), lora_name="lora-x"))
     answers = e.step().trace.answers
-    assert [(request_id, external) for request_id, _, external, _ in answers] == [
+    assert [(request_id, external) for request_id, _, external, _ in answers][-3:] == [
         ("first", 12), ("deferred", None), ("last", 12)]
+
+
+def test_block_holders_before_deferred_requests(engine):
+    """SCHED-ORDER-1: a request whose lookup is deferred while another loads its block keeps its place in the queue,
+    behind the requests that hold blocks for their loads; once the loads are done those run first (vLLM 0.34)."""
+    e = engine(num_gpu_blocks=64, block_size_factor=3, num_offload_blocks=2, max_num_batched_tokens=16)
+    deferred_between_loads(e)
     e.step()
     e.complete_transfers(False, False)
     e.step()
-    assert list(e.step().scheduled_tokens) == ["first", "deferred", "last"]
+    assert list(e.step().scheduled_tokens) == ["first", "last"]
+    assert e.step().scheduled_tokens == {"deferred": 4}
+
+
+@pytest.mark.parametrize("deferred_first", [False, True])
+def test_deferred_requests_next_if_declared(engine, deferred_first):
+    """SCHED-ORDER-1: with `deferred_first`, a request whose lookup was deferred is asked again before a request
+    preempted later; without, the preempted one at the queue's front is asked first (vLLM 0.24 / 0.34)."""
+    e = engine(num_gpu_blocks=64, block_size_factor=3, num_offload_blocks=2, max_num_batched_tokens=16,
+               deferred_first=deferred_first)
+    deferred_between_loads(e, before=("runner",))
+    e.preempt("runner")
+    assert e.step().trace.answers == [], "no admission in the step after a preemption"
+    asked = [request_id for request_id, *_ in e.step().trace.answers]
+    assert asked == (["deferred", "runner"] if deferred_first else ["runner", "deferred"])
 
 
 def test_two_loads_never_deadlock(engine):
@@ -883,6 +933,24 @@ def test_failed_load_falls_back_to_local_hit(loading):
     loading.complete_transfers(True, False)
     loading.step()
     assert loading.step().scheduled_tokens == {"r1": 8}
+
+
+@pytest.mark.parametrize("lookup_after_failed_load", [True, False])
+def test_failed_load_not_retried_if_declared(engine, lookup_after_failed_load):
+    """LIFE-LOAD-4: a request whose load failed is looked up again, unless the config says it is not; then it
+    recomputes its prompt."""
+    e = engine(lookup_after_failed_load=lookup_after_failed_load)
+    e.add_request(RequestSpec(request_id="writer", prompt=PROMPT))
+    while e.has_work():
+        e.complete_transfers(False, False)
+        e.step()
+    assert e.reset_prefix_cache()
+    e.add_request(RequestSpec(request_id="reader", prompt=PROMPT))
+    steps = [e.step()]
+    e.complete_transfers(True, False)
+    steps += [e.step() for _ in range(3)]
+    assert [len(step.trace.loads) for step in steps] == [1, 0, int(lookup_after_failed_load), 0]
+    assert sum(step.scheduled_tokens.get("reader", 0) for step in steps) == (0 if lookup_after_failed_load else 12)
 
 
 def test_delayed_free_released_when_jobs_end(conn):

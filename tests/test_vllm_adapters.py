@@ -8,16 +8,20 @@ failures shipped with the adapter.
 
 from __future__ import annotations
 
+import json
+import re
 from importlib import resources
 
 import pytest
 from click.testing import CliRunner
 
 from kvconform.adapters.contract import VARIANTS, EngineConfig, RequestSpec
+from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.vllm import install, runtime
 from kvconform.cli import main
 from kvconform.conformance import baseline, runner, vectors
 from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.execution import Call, Session, replay
 
 VERSION = runtime.installed_version()
 needs_vllm = pytest.mark.skipif(VERSION is None, reason="vLLM is not installed: kvconform install-vllm 0.24.0")
@@ -36,10 +40,24 @@ def adapter_class(kind: str) -> type:
     return VllmSimpleCPUAdapter
 
 
-def known_failures(name: str) -> baseline.Baseline:
-    """Return the known failures the adapter ships for the installed release (none if it ships no file)."""
-    path = resources.files("kvconform.adapters.vllm").joinpath("known-failures", f"{name}-{VERSION}.txt")
+def known_failures(name: str, version: str | None = VERSION) -> baseline.Baseline:
+    """Return the known failures the adapter ships for a release (none if it ships no file)."""
+    path = resources.files("kvconform.adapters.vllm").joinpath("known-failures", f"{name}-{version}.txt")
     return baseline.load(path) if path.is_file() else baseline.Baseline()
+
+
+DEVIATIONS = sorted(p.name for p in resources.files("kvconform.adapters.vllm").joinpath("deviations").iterdir()
+                    if p.name.endswith(".json"))
+"""Programs that show a rare known failure: `ADAPTER-VERSION-CLAUSE.json`, failing CLAUSE on that release."""
+DEVIATION_NAME = re.compile(r"^(?P<adapter>vllm-[a-z-]+?)-(?P<version>\d+\.\d+\.\d+)-(?P<clause>[A-Z-]+-\d+)\.json$")
+
+
+def deviation(name: str) -> tuple[re.Match, list[Call]]:
+    """Return a deviation program's name parts and its calls."""
+    parts = DEVIATION_NAME.match(name)
+    assert parts, f"{name} is not named ADAPTER-VERSION-CLAUSE.json"
+    text = resources.files("kvconform.adapters.vllm").joinpath("deviations", name).read_text(encoding="utf-8")
+    return parts, [Call.from_json(operation) for operation in json.loads(text)["program"]]
 
 
 # --- installing, without vLLM -------------------------------------------------------------------
@@ -74,6 +92,16 @@ def test_adapters_listed_without_importing_vllm() -> None:
     """Both vLLM adapters are registered entry points; listing them needs no vLLM."""
     result = CliRunner().invoke(main, ["adapters"])
     assert "vllm-offloading\t" in result.output and "vllm-simple-cpu\t" in result.output
+
+
+@pytest.mark.parametrize("name", DEVIATIONS)
+def test_recorded_deviation_is_a_listed_known_failure_the_reference_passes(name: str) -> None:
+    """CONF-RUN-2: a program recorded for a rare known failure passes on the reference, and its clause is listed,
+    marked rare, in the known failures of its adapter and release."""
+    parts, program = deviation(name)
+    known = known_failures(parts["adapter"], parts["version"])
+    assert parts["clause"] in known.rare, f"{parts['clause']} is not listed [rare] for {parts['adapter']}"
+    assert replay(Session(ReferenceAdapter), program).violation is None
 
 
 @pytest.mark.parametrize("adapter", ["vllm-offloading", "vllm-simple-cpu"])
@@ -121,6 +149,18 @@ def test_simple_cpu_skip_read_request(async_scheduling: bool) -> None:
     lookups = adapter.step().lookups
     assert ("skip" in lookups) is not SEED_BUG_FIXED["simple-cpu"], lookups
     adapter.close()
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("name", DEVIATIONS)
+def test_recorded_deviation_fails_on_its_release(name: str) -> None:
+    """A program recorded for a rare known failure fails exactly its clause on the release it was recorded for."""
+    parts, program = deviation(name)
+    if parts["version"] != VERSION:
+        pytest.skip(f"{name} is for vLLM {parts['version']}; {VERSION} is installed")
+    violation = replay(Session(adapter_class(parts["adapter"].removeprefix("vllm-"))), program).violation
+    assert violation is not None and violation.clause == parts["clause"], violation
 
 
 def variants(adapter) -> dict[str, bool]:

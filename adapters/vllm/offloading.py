@@ -37,7 +37,10 @@ class VllmOffloadingAdapter(VllmAdapter):
     def capabilities(self) -> Capabilities:
         return Capabilities(async_scheduling=True, eviction_policies=("lru", "arc"), block_size_factors=(1, 2, 3),
                             transfer_failures=self.reports_failures(), offer_at_finish=(self.offers_at_finish(),),
-                            flush_on_hit=(self.flushes_on_hit(),), **self.base_capabilities())
+                            flush_on_hit=(self.flushes_on_hit(),),
+                            lookup_after_failed_load=(not self.skips_lookup_after_failed_load(),),
+                            restart_offers_on_lookup=(self.restarts_offers_on_lookup(),),
+                            **self.base_capabilities())
 
     def offers_at_finish(self) -> bool:
         """Return whether the connector offers a finished request's remaining blocks at the next step (OFF-STORE-6):
@@ -82,6 +85,20 @@ class VllmOffloadingAdapter(VllmAdapter):
 
         source = inspect.getsource(OffloadingConnectorScheduler._update_req_states)
         return "yield_req_data" in source and "_current_batch_allocated_block_ids" in source
+
+    def skips_lookup_after_failed_load(self) -> bool:
+        """Return whether a request whose load failed is never looked up again (LIFE-LOAD-4): 0.34's
+        `RequestOffloadState.load_failed`, set in `_update_connector_output`, zeroes every later lookup."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import RequestOffloadState
+
+        return "load_failed" in RequestOffloadState.__dataclass_fields__
+
+    def restarts_offers_on_lookup(self) -> bool:
+        """Return whether each lookup makes the request offer its blocks from the first again (OFF-STORE-7): 0.34's
+        `get_num_new_matched_tokens` sets `next_stored_chunk_idx` to 0."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+        return "next_stored" in inspect.getsource(OffloadingConnectorScheduler.get_num_new_matched_tokens)
 
     def start(self, config: EngineConfig) -> None:
         self.manager: Any = None
