@@ -10,7 +10,8 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -149,9 +150,13 @@ class _deadline:
 
     The alarm repeats every REPEAT seconds until the call ends: an exception raised while Python runs a
     garbage-collector callback is printed and dropped, and the hung call must not outlive that one alarm.
+    Within `hang_detection()` the handler stays installed and a call only arms and disarms the timer.
     """
 
     REPEAT = 0.25
+    current: _deadline | None = None
+    """The call the alarm is armed for."""
+    handler_held = False
 
     def __init__(self, timeout: float | None, call: str, trace: list[str]) -> None:
         self.armed = timeout is not None and threading.current_thread() is threading.main_thread()
@@ -159,13 +164,36 @@ class _deadline:
 
     def __enter__(self) -> None:
         if self.armed:
-            self.previous = signal.signal(signal.SIGALRM, self._expire)
+            if not _deadline.handler_held:
+                self.previous = signal.signal(signal.SIGALRM, _expire)
+            _deadline.current = self
             signal.setitimer(signal.ITIMER_REAL, self.timeout, self.REPEAT)
 
     def __exit__(self, *exc_info: object) -> None:
         if self.armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.previous)
+            _deadline.current = None
+            if not _deadline.handler_held:
+                signal.signal(signal.SIGALRM, self.previous)
 
-    def _expire(self, signum: int, frame: object) -> None:
-        raise AdapterHung(self.call, self.timeout, list(self.trace))
+
+def _expire(signum: int, frame: object) -> None:
+    """The SIGALRM handler: the armed call did not return in time (CONF-CALL-2)."""
+    expired = _deadline.current
+    if expired is not None:  # else the alarm went off as the call returned
+        raise AdapterHung(expired.call, expired.timeout, list(expired.trace))
+
+
+@contextmanager
+def hang_detection() -> Iterator[None]:
+    """Hold the SIGALRM handler for a whole run, so that each adapter call only arms the timer (CONF-CALL-2)."""
+    if threading.current_thread() is not threading.main_thread() or _deadline.handler_held:
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _expire)
+    _deadline.handler_held = True
+    try:
+        yield
+    finally:
+        _deadline.handler_held = False
+        signal.signal(signal.SIGALRM, previous)

@@ -191,6 +191,8 @@ def check_no_redundant_load(ctx: Context, ref: StepObservation, sut: StepObserva
 @check("OFF-KEY-2")
 def check_loads_read_own_blocks(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A load reads only blocks the store held readable under the loading request's own identity (tenant included)."""
+    if not sut.loads:
+        return
     held = ctx.identities(ctx.previous_store.ready)
     for load in sut.loads:
         ctx.exercise("OFF-KEY-2")
@@ -219,12 +221,12 @@ def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObs
     decided in steps with one store offer, whose prepare_store call made every eviction of the step; with
     several, an eviction cannot be told apart from one made for a later offer.
     """
-    held = ctx.identities(ctx.previous_store.ready)
     if any(offer.evicted for offer in sut.store_offers):
+        held = ctx.identities(ctx.previous_store.ready)
         for offer in sut.store_offers:
             _judge_kept_keys(ctx, offer, held, offer.evicted)
     elif len(sut.store_offers) == 1 and sut.evicted:
-        _judge_kept_keys(ctx, sut.store_offers[0], held, sut.evicted)
+        _judge_kept_keys(ctx, sut.store_offers[0], ctx.identities(ctx.previous_store.ready), sut.evicted)
 
 
 def _judge_kept_keys(ctx: Context, offer: StoreJob, held: set[bytes], evicted: tuple[BlockRef, ...]) -> None:
@@ -419,8 +421,8 @@ def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> Non
     if kv.shape != expected.shape:
         raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV of shape {tuple(kv.shape)}, "
                                              f"expected {tuple(expected.shape)}")
-    wrong = (kv != expected).any(dim=1).nonzero().flatten().tolist()
-    if wrong:
+    if not torch.equal(kv, expected):
+        wrong = (kv != expected).any(dim=1).nonzero().flatten().tolist()
         raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong[:8]} differ "
                                              "from what the forward wrote for that prefix (corrupt, stale or misplaced load)")
 

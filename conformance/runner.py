@@ -13,7 +13,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.conformance.baseline import Baseline
-from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
+from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Scheduling, Session, render
 from kvconform.conformance.machine import machine_for
@@ -78,7 +78,8 @@ def run(
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
                        coverage=session.coverage)
     try:
-        with reporting.with_reporter(lambda text: None), programs_from_seed_alone():  # reported: the call program
+        # Hypothesis reports nothing: the result reports the call program
+        with reporting.with_reporter(lambda text: None), programs_from_seed_alone(), hang_detection():
             run_state_machine_as_test(machine, settings=profile_settings(profile, seed is not None))
     except ClauseViolation as violation:
         result.found_after = time.perf_counter() - started

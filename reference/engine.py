@@ -197,10 +197,10 @@ class Engine:
         return result
 
     def has_work(self) -> bool:
-        """Return True while a request is unfinished, unfreed or finished since the last step, or a transfer job is
-        pending (SCHED-STEP-1)."""
-        return any(not r.is_finished for r in self.requests.values()) or bool(
-            self.finished_since_schedule or self.delayed_free or self.connector.jobs)
+        """Return True while a request is unfinished (waiting or running), unfreed or finished since the last step,
+        or a transfer job is pending (SCHED-STEP-1)."""
+        return bool(self.waiting or self.running or self.finished_since_schedule or self.delayed_free
+                    or self.connector.jobs)
 
     def _run(self, batch: Batch) -> None:
         """Process a batch now (sync), or keep it in flight and process the previous one (SCHED-ASYNC-1)."""
