@@ -184,9 +184,9 @@ class Execution:
         return sorted({*self.running(), *loaded})
 
     def busy(self) -> bool:
-        """Return True while the reference has a request to run, a transfer to finish or a batch in flight."""
+        """Return True while the reference still has work for a step (SCHED-STEP-1) or a batch in flight."""
         engine = self.oracle.engine
-        return bool(engine.waiting or engine.running or engine.in_flight_job_count() or engine.in_flight is not None)
+        return engine.has_work() or engine.in_flight is not None
 
     def allows(self, call: Call) -> bool:
         """Return True if the reference's state lets `call` run: its request exists and is in the right state."""
