@@ -330,7 +330,8 @@ class Engine:
         """Cache a finished load's blocks, or after a failure those of the local hit the request fell back to
         (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""
         if not success and request.num_computed_tokens == 0:
-            self.kv.free(request.request_id)  # nothing was hit: admitted afresh
+            self.kv.free(request.request_id)  # nothing was hit: admitted afresh, with no reservation of its own
+            self.inflight_prefills.discard(request.request_id)
         else:
             self.kv.cache_blocks(request, request.num_computed_tokens)
         if request.num_computed_tokens == request.num_tokens:

@@ -935,6 +935,25 @@ def test_failed_load_falls_back_to_local_hit(loading):
     assert loading.step().scheduled_tokens == {"r1": 8}
 
 
+def test_failed_load_without_hit_is_admitted_afresh(engine):
+    """LIFE-LOAD-3: a request whose load of its whole prompt failed is admitted afresh: no reservation of its own
+    is left to keep its next load out of a pool that holds it only once (found by the state machine)."""
+    e = engine(num_gpu_blocks=16)
+    prompt = (0, 2) * 16
+    e.add_request(RequestSpec(request_id="writer", prompt=prompt))
+    while e.has_work():
+        e.complete_transfers(False, False)
+        e.step()
+    assert e.reset_prefix_cache()
+    e.add_request(RequestSpec(request_id="reader", prompt=prompt))
+    assert e.step().trace.loads
+    e.complete_transfers(True, False)
+    for _ in range(8):
+        e.step()
+        e.complete_transfers(False, False)
+    assert e.requests["reader"].is_finished
+
+
 @pytest.mark.parametrize("lookup_after_failed_load", [True, False])
 def test_failed_load_not_retried_if_declared(engine, lookup_after_failed_load):
     """LIFE-LOAD-4: a request whose load failed is looked up again, unless the config says it is not; then it
