@@ -92,6 +92,20 @@ def conn():
     return make
 
 
+def drain(e: Engine) -> None:
+    """Complete every transfer and step until the engine is idle, its batch in flight processed."""
+    while e.has_work() or e.in_flight is not None:
+        e.complete_transfers(False, False)
+        e.step()
+
+
+def offloaded_then_forgotten(e: Engine, prompt: tuple[int, ...]) -> None:
+    """Let a request "writer" compute and offload `prompt`, then reset the GPU prefix cache: only the store has it."""
+    e.add_request(RequestSpec(request_id="writer", prompt=prompt))
+    drain(e)
+    assert e.reset_prefix_cache()
+
+
 def sched_output(request: Request, num_tokens: int, blocks: list[int], allocated=(), preempted=()) -> SchedulerOutput:
     return SchedulerOutput({request.request_id: num_tokens}, {request.request_id: request},
                            {request.request_id: blocks}, set(allocated), set(preempted))
@@ -164,9 +178,7 @@ def test_async_block_completed_by_an_output_cached_when_processed(engine):
     scheduled is cached once that output is processed, also when the output ends the request."""
     e = engine(async_scheduling=True)
     e.add_request(RequestSpec(request_id="r", prompt=(1, 0, 3, 2, 0, 3), max_tokens=3))
-    while e.has_work() or e.in_flight is not None:
-        e.complete_transfers(False, False)
-        e.step()
+    drain(e)
     r = e.requests["r"]
     e.add_request(RequestSpec(request_id="again", prompt=r.prompt + tuple(r.output)))
     assert e.step().trace.answers[0][:2] == ("again", 8)
@@ -720,9 +732,7 @@ def deferred_between_loads(e: Engine, before: tuple[str, ...] = ()) -> None:
     e.add_request(RequestSpec(request_id="writer", prompt=prompt + (1, 0, 1), max_tokens=2))
     e.add_request(RequestSpec(request_id="short", prompt=(0, 2) * 4, max_tokens=3))
     e.add_request(RequestSpec(request_id="long_writer", prompt=long_prompt, lora_name="lora-x"))
-    while e.has_work():
-        e.complete_transfers(False, False)
-        e.step()
+    drain(e)
     assert e.reset_prefix_cache()
     for request_id in before:
         e.add_request(RequestSpec(request_id=request_id, prompt=(3,) * 5, max_tokens=8))
@@ -940,11 +950,7 @@ def test_failed_load_without_hit_is_admitted_afresh(engine):
     is left to keep its next load out of a pool that holds it only once (found by the state machine)."""
     e = engine(num_gpu_blocks=16)
     prompt = (0, 2) * 16
-    e.add_request(RequestSpec(request_id="writer", prompt=prompt))
-    while e.has_work():
-        e.complete_transfers(False, False)
-        e.step()
-    assert e.reset_prefix_cache()
+    offloaded_then_forgotten(e, prompt)
     e.add_request(RequestSpec(request_id="reader", prompt=prompt))
     assert e.step().trace.loads
     e.complete_transfers(True, False)
@@ -959,11 +965,7 @@ def test_failed_load_not_retried_if_declared(engine, lookup_after_failed_load):
     """LIFE-LOAD-4: a request whose load failed is looked up again, unless the config says it is not; then it
     recomputes its prompt."""
     e = engine(lookup_after_failed_load=lookup_after_failed_load)
-    e.add_request(RequestSpec(request_id="writer", prompt=PROMPT))
-    while e.has_work():
-        e.complete_transfers(False, False)
-        e.step()
-    assert e.reset_prefix_cache()
+    offloaded_then_forgotten(e, PROMPT)
     e.add_request(RequestSpec(request_id="reader", prompt=PROMPT))
     steps = [e.step()]
     e.complete_transfers(True, False)
