@@ -110,9 +110,13 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         # Connector reset: 0.23's reset_cache raises NotImplementedError; 0.24 adds SimpleCPUOffloadScheduler.reset.
         from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
+        # Offers at finish (OFF-STORE-6): 0.34 queues a finished request's confirmed blocks not stored yet
+        # (_queue_finished_eager_store) and stores them with the next step's store event.
         shared = {**self.base_capabilities(), "reset_connector": hasattr(SimpleCPUOffloadScheduler, "reset")}
         return Capabilities(async_scheduling=True, eviction_policies=("lru",), block_size_factors=(1,),
-                            transfer_failures=False, **shared)
+                            transfer_failures=False,
+                            offer_at_finish=(hasattr(SimpleCPUOffloadScheduler, "_queue_finished_eager_store"),),
+                            **shared)
 
     def store_slots(self, config: EngineConfig) -> int:
         return config.num_offload_blocks + 1  # the CPU BlockPool keeps block 0 as its null block
@@ -131,6 +135,9 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         self.looking_up: str | None = None
         self.origin: dict[bytes, BlockRef] = {}
         self.storing: dict[int, list[BlockRef]] = {}
+        self.block_owner: dict[int, BlockRef] = {}
+        """GPU block → the request block it held when last seen, by a store or at its request's finish: 0.34 stores a
+        finished request's last blocks at the next step, when the manager no longer tracks the request."""
         original = self.manager.get_num_new_matched_tokens
 
         def answering(request: Any, num_computed_tokens: int) -> Any:
@@ -144,6 +151,8 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         original_build = self.manager.build_connector_meta
 
         def building(scheduler_output: Any) -> Any:
+            self.record["offers"] += self.finish_offers
+            self.finish_offers = []
             before = self.store_cursors()
             meta = original_build(scheduler_output)
             for request_id, cursor in self.store_cursors().items():
@@ -153,6 +162,21 @@ class VllmSimpleCPUAdapter(VllmAdapter):
             return meta
 
         self.manager.build_connector_meta = building
+        self.finish_offers: list[StoreJob] = []
+        """Blocks queued at a request's finish, offered (and stored) with the next step's store event."""
+        original_finished = self.manager.request_finished_all_groups
+
+        def finishing(request: Any, block_ids: tuple[list[int], ...]) -> Any:
+            queued = len(getattr(self.manager, "_pending_finished_stores", ()))
+            result = original_finished(request, block_ids)
+            for position, block in enumerate(block_ids[0]):
+                self.block_owner[block] = BlockRef(request_id=request.request_id, index=position)
+            for transfer in getattr(self.manager, "_pending_finished_stores", ())[queued:]:
+                positions = tuple(block_ids[0].index(block) for block in transfer.gpu_block_ids)
+                self.finish_offers.append(StoreJob(request_id=request.request_id, offload_indices=positions))
+            return result
+
+        self.manager.request_finished_all_groups = finishing
         wrap(self.cpu_pool, "get_cached_block", self._record_lookup)
         original_evict = self.cpu_pool._maybe_evict_cached_block
 
@@ -207,13 +231,15 @@ class VllmSimpleCPUAdapter(VllmAdapter):
 
     def store_refs(self, gpu_blocks: list[int]) -> list[BlockRef]:
         """Name the GPU blocks of a store event by the request block each holds; a block that several requests hold
-        (a prefix hit) is named after a request whose blocks this step's store walked past (its offers)."""
+        (a prefix hit) is named after a request whose blocks this step's store walked past (its offers), and a
+        block of a request that has finished since, after that request."""
         offered = {offer.request_id for offer in self.record["offers"]}
         owner = {}
         for request_id, state in sorted(self.manager._reqs_to_store.items(), key=lambda item: item[0] not in offered):
             for position, block in enumerate(state.block_ids[0]):
                 owner.setdefault(block, BlockRef(request_id=request_id, index=position))
-        return [owner[block] for block in gpu_blocks]
+        self.block_owner.update(owner)
+        return [self.block_owner[block] for block in gpu_blocks]
 
     def observe_connector(self, observation: dict[str, Any]) -> None:
         record, self.record = self.record, self.empty_record()
