@@ -95,12 +95,13 @@ def copy_blocks(target: torch.Tensor, target_ids: Sequence[int],
     """Copy block `source[source_ids[i]]` into `target[target_ids[i]]` for every i (XFER-COPY-1).
 
     Each run of pairs whose ids are consecutive on both sides is contiguous in both tensors, so it
-    moves as one plain copy, with no intermediate tensor. Copies from the GPU into pinned CPU memory
-    are asynchronous; they are all awaited before returning, so the bytes are in place when it returns.
+    moves as one plain copy, with no intermediate tensor; the runs go to torch in one batched call.
+    Copies from the GPU into pinned CPU memory are asynchronous; they are all awaited before returning,
+    so the bytes are in place when it returns.
     """
-    for target_first, source_first, length in consecutive_runs(target_ids, source_ids):
-        target[target_first : target_first + length].copy_(source[source_first : source_first + length],
-                                                           non_blocking=True)
+    runs = list(consecutive_runs(target_ids, source_ids))
+    torch._foreach_copy_([target[first : first + length] for first, _, length in runs],
+                         [source[first : first + length] for _, first, length in runs], non_blocking=True)
     if source.is_cuda and not target.is_cuda:
         torch.cuda.synchronize(source.device)
 
