@@ -104,6 +104,7 @@ class Session:
     steps: int = 0
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
+    checks_seconds: float = 0.0
     last_execution: Execution | None = None
 
 
@@ -264,14 +265,17 @@ class Execution:
 
         A failure names the call whose answer it judged (CONF-CALL-1).
         """
-        for each in checks_of(kind):
-            try:
+        started = time.perf_counter()
+        try:
+            for each in checks_of(kind):
                 each.function(self.ctx, *args)
-            except ClauseViolation as violation:
-                violation.detail = f"{call}: {violation.detail}"
-                if not self.session.baseline.tolerates(violation):
-                    raise
-                raise Diverged from violation
+        except ClauseViolation as violation:
+            violation.detail = f"{call}: {violation.detail}"
+            if not self.session.baseline.tolerates(violation):
+                raise
+            raise Diverged from violation
+        finally:
+            self.session.checks_seconds += time.perf_counter() - started
 
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
         self.session.steps += 1

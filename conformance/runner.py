@@ -40,6 +40,7 @@ class RunResult:
     steps: int = 0
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
+    checks_seconds: float = 0.0
     coverage: dict[str, int] = field(default_factory=dict)
     failed_clause: str | None = None
     message: str | None = None
@@ -107,6 +108,7 @@ def run(
     result.seconds = time.perf_counter() - started
     result.rules, result.steps = session.rules, session.steps
     result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
+    result.checks_seconds = session.checks_seconds
     return result
 
 
