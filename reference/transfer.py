@@ -100,6 +100,8 @@ def copy_blocks(target: torch.Tensor, target_ids: Sequence[int],
     so the bytes are in place when it returns.
     """
     runs = list(consecutive_runs(target_ids, source_ids))
+    if not runs:
+        return
     torch._foreach_copy_([target[first : first + length] for first, _, length in runs],
                          [source[first : first + length] for _, first, length in runs], non_blocking=True)
     if source.is_cuda and not target.is_cuda:
