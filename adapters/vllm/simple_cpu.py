@@ -138,6 +138,8 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         self.block_owner: dict[int, BlockRef] = {}
         """GPU block → the request block it held when last seen, by a store or at its request's finish: 0.34 stores a
         finished request's last blocks at the next step, when the manager no longer tracks the request."""
+        self.finish_offers: list[StoreJob] = []
+        """Blocks queued at a request's finish, offered (and stored) with the next step's store event."""
         original = self.manager.get_num_new_matched_tokens
 
         def answering(request: Any, num_computed_tokens: int) -> Any:
@@ -162,8 +164,6 @@ class VllmSimpleCPUAdapter(VllmAdapter):
             return meta
 
         self.manager.build_connector_meta = building
-        self.finish_offers: list[StoreJob] = []
-        """Blocks queued at a request's finish, offered (and stored) with the next step's store event."""
         original_finished = self.manager.request_finished_all_groups
 
         def finishing(request: Any, block_ids: tuple[list[int], ...]) -> Any:
