@@ -44,7 +44,9 @@ class SchedulerOutput:
     allocated_block_ids: set[int]
     preempted_request_ids: set[str]
     finished_request_ids: list[str] = field(default_factory=list)
-    hit_block_ids: set[int] = field(default_factory=set)
+    first_run_block_ids: set[int] = field(default_factory=set)
+    """Blocks of requests that run for the first time in the step that are not newly allocated: their local hit,
+    or every block of a request that waited for a load."""
 
 
 @dataclass
@@ -205,8 +207,7 @@ class OffloadConnectorScheduler:
             state = self.states.get(request_id)
             if state is not None:
                 flush |= {job_id for job_id in state.transfer_jobs if self.jobs[job_id].is_store}
-        reused = output.allocated_block_ids | (output.hit_block_ids if self.config.flush_on_hit else set())
-        for block_id in reused & self.store_jobs_by_gpu_block.keys():  # LIFE-FREE-2
+        for block_id in self.reused_blocks(output) & self.store_jobs_by_gpu_block.keys():  # LIFE-FREE-2
             flush |= self.store_jobs_by_gpu_block[block_id]
         meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output, flush), flush)
         self.pending_loads, self.pending_flushes = [], set()
@@ -235,6 +236,11 @@ class OffloadConnectorScheduler:
                     computed = min(computed, max(len(request.prompt), request.num_tokens - 1))
                 yield state, min(computed, request.num_tokens), state.block_ids
 
+    def reused_blocks(self, output: SchedulerOutput) -> set[int]:
+        """Return the GPU blocks the step puts to a new use, whose pending stores it flushes: those allocated, and
+        with `flush_on_hit` also those of requests that run for the first time, their hit included (LIFE-FREE-2)."""
+        return output.allocated_block_ids | (output.first_run_block_ids if self.config.flush_on_hit else set())
+
     def _build_store_jobs(self, output: SchedulerOutput, flush: set[int]) -> list[TransferJob]:
         """Offer every newly full, computed offloaded block to the store (OFF-STORE-1, OFF-STORE-3, OFF-STORE-4)."""
         jobs = []
@@ -261,7 +267,7 @@ class OffloadConnectorScheduler:
             if state.finished:  # its blocks are free already: flush the store before they are overwritten
                 for block_id in job.gpu_blocks:
                     self.store_jobs_by_gpu_block.setdefault(block_id, set()).add(job.job_id)
-                if not output.allocated_block_ids.isdisjoint(job.gpu_blocks):
+                if not self.reused_blocks(output).isdisjoint(job.gpu_blocks):
                     flush.add(job.job_id)
             jobs.append(job)
         return jobs

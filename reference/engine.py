@@ -219,7 +219,7 @@ class Engine:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         allocated: set[int] = set()
-        hit: set[int] = set()
+        first_run: set[int] = set()
         preempted = self.preempted_since_schedule
         self.preempted_since_schedule = set()
         for request in list(self.running):
@@ -235,11 +235,11 @@ class Engine:
             scheduled[request.request_id] = num_new
             budget -= num_new
         if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, allocated, hit)
+            budget = self._schedule_waiting(budget, scheduled, allocated, first_run)
         finished, self.finished_since_schedule = self.finished_since_schedule, []
         return SchedulerOutput(scheduled, {rid: self.requests[rid] for rid in scheduled},
                                {rid: list(self.kv.blocks_of(rid)) for rid in scheduled}, allocated, preempted, finished,
-                               hit)
+                               first_run)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]) -> list[int] | None:
         """Allocate for a running request, preempting the newest running ones until it fits (SCHED-PREEMPT-1)."""
@@ -256,7 +256,8 @@ class Engine:
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int], hit: set[int]) -> int:
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int],
+                          first_run: set[int]) -> int:
         """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1)."""
         self.order_waiting()
         for request in list(self.waiting):
@@ -288,7 +289,7 @@ class Engine:
             if new_blocks is None:
                 break
             allocated.update(new_blocks)
-            hit.update(local_blocks)
+            first_run.update(local_blocks)
             self.connector.update_state_after_alloc(request, self.kv.blocks_of(request.request_id), num_external)
             request.num_computed_tokens = num_computed
             if load_async or num_computed + num_new < request.num_tokens:
@@ -300,6 +301,7 @@ class Engine:
                 continue
             if self.holders.pop(request.request_id, None) is not None:
                 self.resumed.append(request.request_id)
+                first_run.update(self.kv.blocks_of(request.request_id))
             self.deferred.pop(request.request_id, None)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING

@@ -504,6 +504,27 @@ def test_store_flushed_when_its_blocks_become_a_hit_if_declared(engine):
         assert metas[0].jobs_to_flush == ({0} if flush_on_hit else set())
 
 
+@pytest.mark.parametrize("flush_on_hit", [False, True])
+def test_store_flushed_when_a_loaded_request_first_runs_if_declared(engine, flush_on_hit):
+    """LIFE-FREE-2: with flush_on_hit, the step in which a request that waited for its load first runs counts all its
+    blocks as newly scheduled, so the store of a finished request that reads one of them is flushed (vLLM 0.34)."""
+    e = engine(num_gpu_blocks=64, block_size_factor=3, num_offload_blocks=12, async_scheduling=True,
+               offer_at_finish=True, flush_on_hit=flush_on_hit)
+    prompt = (1, 0, 3, 2) * 6
+    offloaded_then_forgotten(e, prompt)
+    e.add_request(RequestSpec(request_id="short", prompt=prompt[:11], max_tokens=2))
+    e.add_request(RequestSpec(request_id="loader", prompt=prompt))
+    steps = []
+    build = e.connector.build_connector_meta
+    e.connector.build_connector_meta = lambda output: steps.append((output, build(output))) or steps[-1][1]
+    for _ in range(4):
+        e.complete_transfers(False, False)
+        e.step()
+    output, meta = steps[-1]
+    assert output.num_scheduled_tokens == {"loader": 1} and [job.request_id for job in meta.store_jobs] == ["short"]
+    assert meta.jobs_to_flush == ({meta.store_jobs[0].job_id} if flush_on_hit else set())
+
+
 def test_load_job_is_exactly_the_reported_tokens(conn):
     """CONN-LOAD-1: no load job is created for a 0-token answer; a job covers exactly the reported tokens."""
     c = conn()
