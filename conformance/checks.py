@@ -269,11 +269,12 @@ def check_schedule_order(ctx: Context, ref: StepObservation, sut: StepObservatio
 
 @check("SCHED-ORDER-1")
 def check_block_holders_run(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """A waiting request holding GPU blocks that the reference ran this step, the adapter ran before other waiting ones.
+    """Waiting requests holding GPU blocks come first: each the reference ran, the adapter ran before the other
+    waiting requests; past one the reference could not admit, the adapter considered no other.
 
-    Such a request comes before every other waiting request. The order among the requests both scheduled does
-    not show an adapter that passed it over: it may schedule it after a request the reference left waiting, or
-    not at all.
+    The order among the requests both scheduled does not show an adapter that passed such a request over: it may
+    schedule it after a request the reference left waiting, not at all, or ask a request the reference never
+    reached.
     """
     still_waiting = {request.request_id for request in ctx.oracle.waiting}
     scheduled = list(sut.scheduled_tokens)
@@ -289,6 +290,15 @@ def check_block_holders_run(ctx: Context, ref: StepObservation, sut: StepObserva
         raise ClauseViolation("SCHED-ORDER-1", f"{request_id!r} waited holding GPU blocks until its load ended, so it "
                                                f"comes before every other waiting request: the reference scheduled "
                                                f"it, the adapter {passed_over}")
+    stalled = ctx.oracle.stalled_holder
+    if stalled is not None:
+        reached = {a.request_id for a in ref.match_answers} | ref.scheduled_tokens.keys()
+        went_on = sorted(({a.request_id for a in sut.match_answers} | sut.scheduled_tokens.keys())
+                         & still_waiting - reached)
+        if went_on:
+            raise ClauseViolation("SCHED-ORDER-1", f"{stalled!r} holds GPU blocks and could not be admitted, which ends "
+                                                   f"admission for the step: the reference stopped there, the adapter "
+                                                   f"went on to {went_on}")
 
 
 @check("OFF-LOOKUP-1", "OFF-LOOKUP-2")

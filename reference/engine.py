@@ -77,6 +77,8 @@ class Engine:
         self.skip_order = itertools.count()
         self.resumed: list[str] = []
         """Block holders that the latest step ran (SCHED-ORDER-1)."""
+        self.stalled_holder: str | None = None
+        """The block holder that could not be admitted in the latest step, ending admission (SCHED-ORDER-1)."""
         self.delayed_free: set[str] = set()
         self.preempted_since_schedule: set[str] = set()
         self.inflight_prefills: set[str] = set()
@@ -174,7 +176,7 @@ class Engine:
         scheduled: dict[str, int] = {}
         writes: set[int] = set()
         reads_in_flight: set[int] = set()
-        self.resumed = []
+        self.resumed, self.stalled_holder = [], None
         if self.has_work():
             output = self._schedule()
             if self.config.async_scheduling and output.num_scheduled_tokens:
@@ -281,12 +283,13 @@ class Engine:
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
-            if self.kv.blocks_to_allocate(request, request.num_tokens, local_blocks) > self.kv.pool.num_free_blocks:
-                break  # SCHED-ADMIT-1: the full sequence must fit, not only the first chunk
+            fits = self.kv.blocks_to_allocate(request, request.num_tokens, local_blocks) <= self.kv.pool.num_free_blocks
             reserved = self._prefill_reservation() if load_async else 0
             new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external, delay_caching=load_async,
-                                                reserved=reserved)
+                                                reserved=reserved) if fits else None  # SCHED-ADMIT-1: the full sequence
             if new_blocks is None:
+                if request.request_id in self.holders:
+                    self.stalled_holder = request.request_id
                 break
             allocated.update(new_blocks)
             first_run.update(local_blocks)
