@@ -358,16 +358,17 @@ def check_skip_read_still_stores(ctx: Context, ref: StepObservation, sut: StepOb
     Only missing offers break the rule: that the offers match exactly, skip-read or not, is OFF-STORE-1's.
     """
     skipping = {rid for rid, spec in ctx.requests.items() if spec.skip_reading_prefix_cache}
-    offered = {r: {i for job in jobs for i in job} for r, jobs in _by_request(sut.store_offers).items()}
+    sut_offers = _by_request(sut.store_offers)
     for request_id, jobs in _by_request(ref.store_offers).items():
         if request_id not in skipping:
             continue
         ctx.exercise("OFF-READ-3")
-        missing = sorted({i for job in jobs for i in job} - offered.get(request_id, set()))
+        offered = {i for job in sut_offers.get(request_id, []) for i in job}
+        missing = sorted({i for job in jobs for i in job} - offered)
         if missing:
             raise ClauseViolation("OFF-READ-3", f"skip-read request {request_id!r}: its computed blocks {missing} "
                                                 f"were not offered to the store (reference offers {jobs}, adapter "
-                                                f"{_by_request(sut.store_offers).get(request_id, [])})")
+                                                f"{sut_offers.get(request_id, [])})")
 
 
 @check("XFER-LOAD-2")

@@ -78,8 +78,8 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
 def run(options: RunOptions, on_example: Callable[[], None] | None = None) -> report.RunReport:
     """Run the state machine as `options` say and return its report (not yet written)."""
     result = runner.run(options.factory, options.adapter_spec, options.profile, options.seed, on_example=on_example,
-                        call_timeout=options.call_timeout, baseline=baseline.Baseline(dict(options.known_failures), set(options.rare_known_failures)),
-                        scheduling=options.scheduling)
+                        call_timeout=options.call_timeout, scheduling=options.scheduling,
+                        baseline=baseline.Baseline(dict(options.known_failures), set(options.rare_known_failures)))
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures)
 
 

@@ -207,9 +207,10 @@ class OffloadConnectorScheduler:
             state = self.states.get(request_id)
             if state is not None:
                 flush |= {job_id for job_id in state.transfer_jobs if self.jobs[job_id].is_store}
-        for block_id in self.reused_blocks(output) & self.store_jobs_by_gpu_block.keys():  # LIFE-FREE-2
+        reused = self.reused_blocks(output)
+        for block_id in reused & self.store_jobs_by_gpu_block.keys():  # LIFE-FREE-2
             flush |= self.store_jobs_by_gpu_block[block_id]
-        meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output, flush), flush)
+        meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output, reused, flush), flush)
         self.pending_loads, self.pending_flushes = [], set()
         for request_id in output.finished_request_ids:
             state = self.states.get(request_id)
@@ -241,7 +242,7 @@ class OffloadConnectorScheduler:
         with `flush_on_hit` also those of requests that run for the first time, their hit included (LIFE-FREE-2)."""
         return output.allocated_block_ids | (output.first_run_block_ids if self.config.flush_on_hit else set())
 
-    def _build_store_jobs(self, output: SchedulerOutput, flush: set[int]) -> list[TransferJob]:
+    def _build_store_jobs(self, output: SchedulerOutput, reused: set[int], flush: set[int]) -> list[TransferJob]:
         """Offer every newly full, computed offloaded block to the store (OFF-STORE-1, OFF-STORE-3, OFF-STORE-4)."""
         jobs = []
         for state, num_offloadable, block_ids in self._store_candidates(output):
@@ -267,7 +268,7 @@ class OffloadConnectorScheduler:
             if state.finished:  # its blocks are free already: flush the store before they are overwritten
                 for block_id in job.gpu_blocks:
                     self.store_jobs_by_gpu_block.setdefault(block_id, set()).add(job.job_id)
-                if not self.reused_blocks(output).isdisjoint(job.gpu_blocks):
+                if not reused.isdisjoint(job.gpu_blocks):
                     flush.add(job.job_id)
             jobs.append(job)
         return jobs

@@ -283,11 +283,12 @@ class Engine:
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
             num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+            new_blocks = None
             # SCHED-ADMIT-1: the full sequence must fit, not only the first chunk
-            fits = self.kv.blocks_to_allocate(request, request.num_tokens, local_blocks) <= self.kv.pool.num_free_blocks
-            reserved = self._prefill_reservation() if load_async else 0
-            new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external, delay_caching=load_async,
-                                                reserved=reserved) if fits else None
+            if self.kv.blocks_to_allocate(request, request.num_tokens, local_blocks) <= self.kv.pool.num_free_blocks:
+                reserved = self._prefill_reservation() if load_async else 0
+                new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external,
+                                                    delay_caching=load_async, reserved=reserved)
             if new_blocks is None:
                 if request.request_id in self.holders:
                     self.stalled_holder = request.request_id

@@ -167,11 +167,12 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         original_finished = self.manager.request_finished_all_groups
 
         def finishing(request: Any, block_ids: tuple[list[int], ...]) -> Any:
-            queued = len(getattr(self.manager, "_pending_finished_stores", ()))
+            pending = getattr(self.manager, "_pending_finished_stores", [])  # 0.34+: appended to, never replaced
+            queued = len(pending)
             result = original_finished(request, block_ids)
             for position, block in enumerate(block_ids[0]):
                 self.block_owner[block] = BlockRef(request_id=request.request_id, index=position)
-            for transfer in getattr(self.manager, "_pending_finished_stores", ())[queued:]:
+            for transfer in pending[queued:]:
                 positions = tuple(block_ids[0].index(block) for block in transfer.gpu_block_ids)
                 self.finish_offers.append(StoreJob(request_id=request.request_id, offload_indices=positions))
             return result
