@@ -112,6 +112,15 @@ class StepObservation(_Frozen):
     freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
     forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")
     store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
+    # The connector level (chapter `connector-level`): what crosses vLLM's public connector API, per request.
+    loads_finished: tuple[str, ...] = Field((), description="requests whose asynchronous load the connector reported "
+                                                            "finished in this step (get_finished's receiving ids)")
+    loads_failed: tuple[str, ...] = Field((), description="requests the connector reported load errors for in this "
+                                                          "step (get_block_ids_with_load_errors)")
+    free_delayed: tuple[str, ...] = Field((), description="requests whose request_finished answered delay_free=True "
+                                                          "in this step")
+    saves_finished: tuple[str, ...] = Field((), description="requests whose delayed free the connector ended in this "
+                                                            "step (get_finished's sending ids)")
 
 
 class StoreSnapshot(_Frozen):
@@ -129,6 +138,11 @@ class ResourceUsage(_Frozen):
     jobs_in_flight: int = Field(ge=0)
     unfinished_requests: int = Field(ge=0)
 
+
+SpecLevel = Literal["connector", "offloading"]
+"""The two levels of the spec: what every KVConnectorBase_V1 must do (`connector`), and the deeper rules of
+OffloadingManager-style connectors (`offloading`); an adapter that reports the offloading level's observations
+is judged at both."""
 
 VARIANTS = ("offer_at_finish", "flush_on_hit", "preempt_in_flight", "lookup_after_failed_load",
             "restart_offers_on_lookup", "deferred_first")
@@ -160,6 +174,8 @@ class Capabilities(_Frozen):
     deferred_first: tuple[bool, ...] = Field((False,), description="whether a request whose lookup was deferred is "
                                                                      "considered before the other waiting requests "
                                                                      "(SCHED-ORDER-1)")
+    levels: tuple[SpecLevel, ...] = Field(("connector", "offloading"), description="the spec levels whose "
+                                                                                 "observations it reports")
     kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
 
