@@ -76,7 +76,8 @@ class MatchAnswer(_Frozen):
 
     request_id: str
     local_hit_tokens: int = Field(ge=0)
-    external_tokens: int | None = Field(ge=0)
+    external_tokens: int | None = Field(description="the connector's count as it answered it; a negative one is a "
+                                                    "fault the connector level judges (KVC-MATCH-1)")
     load_async: bool
 
 

@@ -73,6 +73,10 @@ class ReferenceAdapter(KVConnectorAdapter):
             freed=tuple(result.freed),
             forward_writes=frozenset(result.forward_writes),
             store_reads_in_flight=frozenset(result.store_reads_in_flight),
+            loads_finished=tuple(result.reports.loads_finished),
+            loads_failed=tuple(result.reports.loads_failed),
+            free_delayed=tuple(result.reports.free_delayed),
+            saves_finished=tuple(result.reports.saves_finished),
         )
 
     def block_ref(self, key: bytes) -> BlockRef:

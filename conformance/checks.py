@@ -20,7 +20,9 @@ from kvconform.reference import kv_content
 from kvconform.reference.engine import Engine
 from kvconform.reference.request import Request
 
-Kind = Literal["step", "store", "data", "drain"]
+Kind = Literal["step", "store", "data", "drain", "connector", "connector-data", "connector-drain"]
+"""What a check judges: a step, the store or the KV bytes against the reference, or the drained engine
+(offloading level); a step, the bytes or the drained engine on the adapter's own schedule (`connector_level.py`)."""
 
 
 class ClauseViolation(AssertionError):
@@ -452,3 +454,7 @@ def check_drained(ctx: Context, usage, steps: int) -> None:
     leaks = {name: value for name, value in usage.model_dump().items() if value}
     if leaks:
         raise ClauseViolation("LIFE-LEAK-1", f"engine idle but still holds {leaks}")
+
+
+# The connector level's checks register themselves in CHECKS on import; its module needs this one first.
+from kvconform.conformance import connector_level  # noqa: E402, F401

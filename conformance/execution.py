@@ -1,9 +1,11 @@
 """Running programs of engine operations on an adapter and the reference side by side (chapter `conformance`).
 
 A program is a list of `Call`s: the adapter operations `start`, `add_request`, `step`, `complete_transfers`,
-`abort`, `preempt`, `reset_prefix_cache`, plus `drain` (complete transfers and step until the reference is
+`abort`, `preempt`, `reset_prefix_cache`, plus `drain` (complete transfers and step until the engine is
 idle, then check for leaks). The state machine draws programs, the shrinker edits them, and a counterexample
-is one. `Execution.apply` runs one call on both engines and judges every answer with the registered checks.
+is one. `Execution.apply` runs one call and judges every answer with the registered checks, at each spec
+level the adapter reports: the connector level on the adapter's own schedule (`connector_level.py`), the
+offloading level against the reference engine stepped alongside.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Context, checks_of
+from kvconform.conformance.connector_level import ConnectorJudge
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.request import RequestStatus
 
@@ -115,8 +118,10 @@ class Execution:
         self.session = session
         self.coverage = session.coverage if coverage is None else coverage
         self.caller = AdapterCaller(session.call_timeout)
-        self.oracle = ReferenceAdapter()
+        self.oracle: ReferenceAdapter | None = None
+        """The reference engine stepped alongside, for an adapter judged at the offloading level."""
         self.ctx: Context | None = None
+        self.connector_judge: ConnectorJudge | None = None
         self.capabilities = Capabilities()
         self.program: list[Call] = []
         self.failed = False
@@ -151,6 +156,8 @@ class Execution:
         """Build the adapter and return what it claims to support (CONF-CAP-1)."""
         self.caller.build(self.session.adapter_factory)
         self.capabilities = self.call("capabilities")
+        if "offloading" in self.capabilities.levels:
+            self.oracle = ReferenceAdapter()
         return self.capabilities
 
     def close(self) -> None:
@@ -158,45 +165,68 @@ class Execution:
             self.call("close")
         self.session.adapter_seconds += self.caller.seconds
 
-    # --- what the reference's state allows ----------------------------------------------------
+    # --- what the engine's state allows: the reference's when stepped alongside, else the adapter's trace ----
+
+    @property
+    def requests(self) -> dict[str, RequestSpec]:
+        """Return the requests added so far, by id."""
+        return self.connector_judge.requests if self.connector_judge is not None else {}
 
     def unfinished(self) -> list[str]:
+        if self.oracle is None:
+            return sorted(self.connector_judge.trace.unfinished)
         engine = self.oracle.engine
         return sorted(request.request_id for request in (*engine.waiting, *engine.running))
 
     def loading(self) -> list[str]:
+        if self.oracle is None:
+            return sorted(self.connector_judge.trace.loading & self.connector_judge.trace.unfinished)
         return sorted(request.request_id for request in self.oracle.engine.waiting
                       if request.status is RequestStatus.WAITING_FOR_LOAD)
 
     def running(self) -> list[str]:
+        if self.oracle is None:
+            return sorted(self.connector_judge.trace.running)
         return sorted(request.request_id for request in self.oracle.engine.running)
 
     def storing(self) -> list[str]:
-        """Return the running requests whose stores are still in flight."""
+        """Return the running requests whose stores are still in flight (known only at the offloading level)."""
+        if self.oracle is None:
+            return []
         connector = self.oracle.engine.connector
         return [request_id for request_id in self.running() if any(
             connector.jobs[job].is_store for job in connector.states[request_id].transfer_jobs)]
 
+    def transfers_pending(self) -> bool:
+        """Return True while a transfer may be in flight: a job of the reference's, or a load or delayed free."""
+        if self.oracle is None:
+            return bool(self.connector_judge.trace.loading or self.connector_judge.trace.delayed)
+        return bool(self.oracle.engine.in_flight_job_count())
+
     def resident(self) -> list[str]:
         """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""
+        if self.oracle is None:
+            return self.connector_judge.resident()
         engine = self.oracle.engine
         loaded = [request_id for request_id, success in engine.loads_done.items()
                   if success and not engine.requests[request_id].is_finished]
         return sorted({*self.running(), *loaded})
 
     def busy(self) -> bool:
-        """Return True while the reference still has work for a step (SCHED-STEP-1) or a batch in flight."""
+        """Return True while the engine still has work for a step (SCHED-STEP-1) or a batch in flight."""
+        if self.oracle is None:
+            return self.connector_judge.busy()
         engine = self.oracle.engine
         return engine.has_work() or engine.in_flight is not None
 
     def allows(self, call: Call) -> bool:
-        """Return True if the reference's state lets `call` run: its request exists and is in the right state."""
+        """Return True if the engine's state lets `call` run: its request exists and is in the right state."""
         if call.operation == "start":
-            return self.ctx is None
-        if self.ctx is None:
+            return self.connector_judge is None
+        if self.connector_judge is None:
             return False
         if call.operation == "add_request":
-            return call.args[0].request_id not in self.ctx.requests
+            return call.args[0].request_id not in self.requests
         if call.operation == "abort":
             return self.capabilities.abort and call.args[0] in self.unfinished()
         if call.operation == "preempt":
@@ -215,47 +245,74 @@ class Execution:
             raise
 
     def _start(self, config) -> None:
-        self.expect("start", config)
+        self.connector_judge = ConnectorJudge(config, self.coverage)
+        if self.oracle is not None:
+            self.expect("start", config)
+            self.ctx = Context(config, self.connector_judge.requests, self.oracle.engine, exercised=self.coverage)
         self.call("start", config)
-        self.ctx = Context(config, {}, self.oracle.engine, exercised=self.coverage)
 
     def _add_request(self, spec) -> None:
-        self.ctx.requests[spec.request_id] = spec
-        self.expect("add_request", spec)
+        self.connector_judge.add_request(spec)
+        if self.oracle is not None:
+            self.expect("add_request", spec)
         self.call("add_request", spec)
 
     def _step(self) -> None:
-        self.compare_step(self.expect("step"), self.call("step"))
+        expected = self.expect("step") if self.oracle is not None else None
+        actual = self.call("step")
+        self.session.steps += 1
+        if expected is not None:  # the deeper level first: its failures name the block and the cause
+            self.compare_step(expected, actual)
+        self.judge("adapter.step()", "connector", actual)
+        self.connector_judge.follow(actual)
+        if self.capabilities.reads_kv:
+            self.judge_resident_kv()
 
     def _complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
-        self.expect("complete_transfers", fail_loads, fail_stores)
+        if self.oracle is not None:
+            self.expect("complete_transfers", fail_loads, fail_stores)
         self.call("complete_transfers", fail_loads, fail_stores)
 
     def _abort(self, request_id: str) -> None:
-        self.expect("abort", request_id)
+        self.connector_judge.abort(request_id)
+        if self.oracle is not None:
+            self.expect("abort", request_id)
         self.call("abort", request_id)
 
     def _preempt(self, request_id: str) -> None:
-        self.expect("preempt", request_id)
+        self.connector_judge.preempt(request_id)
+        if self.oracle is not None:
+            self.expect("preempt", request_id)
         self.call("preempt", request_id)
 
     def _reset_prefix_cache(self, reset_connector: bool) -> None:
-        expected = self.expect("reset_prefix_cache", reset_connector)
         actual = self.call("reset_prefix_cache", reset_connector)
+        if self.oracle is None:
+            return
+        expected = self.expect("reset_prefix_cache", reset_connector)
         self.ctx.exercise("PFX-RESET-1")
         if expected != actual:
             raise ClauseViolation("PFX-RESET-1", f"reset_prefix_cache returned {actual!r}, reference {expected!r}")
 
     def _drain(self) -> None:
-        """Complete every transfer and step until the reference is idle, then check for leaks and liveness."""
+        """Complete every transfer and step until the engine is idle, then check for leaks and liveness."""
         steps = 0
         while steps < DRAIN_STEP_LIMIT and self.busy():
             self._complete_transfers(False, False)
             self._step()
             steps += 1
-        for each in checks_of("drain"):
-            each.function(self.ctx, self.expect("resource_usage"), steps)
-        self.judge("adapter.resource_usage()", "drain", self.call("resource_usage"), steps)
+        usage = self.call("resource_usage")
+        while self.oracle is None and steps < DRAIN_STEP_LIMIT and any(usage.model_dump().values()):
+            # on its own schedule only the adapter knows its pending saves: step until it says it is idle
+            self._complete_transfers(False, False)
+            self._step()
+            steps += 1
+            usage = self.call("resource_usage")
+        if self.oracle is not None:
+            for each in checks_of("drain"):
+                each.function(self.ctx, self.expect("resource_usage"), steps)
+            self.judge("adapter.resource_usage()", "drain", usage, steps)
+        self.judge("adapter.resource_usage()", "connector-drain", usage, steps)
 
     # --- judging -----------------------------------------------------------------------------
 
@@ -266,9 +323,10 @@ class Execution:
         A failure names the call whose answer it judged (CONF-CALL-1).
         """
         started = time.perf_counter()
+        subject = self.connector_judge if kind.startswith("connector") else self.ctx
         try:
             for each in checks_of(kind):
-                each.function(self.ctx, *args)
+                each.function(subject, *args)
         except ClauseViolation as violation:
             violation.detail = f"{call}: {violation.detail}"
             if not self.session.baseline.tolerates(violation):
@@ -278,15 +336,24 @@ class Execution:
             self.session.checks_seconds += time.perf_counter() - started
 
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
-        self.session.steps += 1
+        """Judge a step at the offloading level: the adapter's observation and store against the reference's."""
         self.judge("adapter.step()", "step", expected, actual)
         store = self.expect("store_contents")
         self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
         self.ctx.previous_store = store
-        if self.capabilities.reads_kv:
-            for request_id in self.resident():
-                self.judge(f"adapter.computed_kv({request_id!r})", "data", request_id,
-                           self.call("computed_kv", request_id))
+
+    def judge_resident_kv(self) -> None:
+        """Read the KV of every request that must hold its computed tokens' KV now, and judge its bytes at each level:
+        stepped alongside the reference, against the reference's count of computed tokens (XFER-DATA-1), and against
+        the adapter's own (KVC-DATA-1)."""
+        for_reference = set(self.resident()) if self.oracle is not None else set()
+        for request_id in sorted(for_reference | set(self.connector_judge.resident())):
+            call = f"adapter.computed_kv({request_id!r})"
+            kv = self.call("computed_kv", request_id)
+            if request_id in for_reference:
+                self.judge(call, "data", request_id, kv)
+            if request_id in self.connector_judge.resident():
+                self.judge(call, "connector-data", request_id, kv)
 
 
 @dataclass

@@ -141,9 +141,9 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.run.unfinished()) < MAX_LIVE_REQUESTS)
     @rule(data=st.data())
     def add_request(self, data: st.DataObject) -> None:
-        self.apply("add_request", data.draw(new_requests(f"r{len(self.run.ctx.requests)}"), label="request"))
+        self.apply("add_request", data.draw(new_requests(f"r{len(self.run.requests)}"), label="request"))
 
-    @precondition(lambda self: self.run.ctx.requests and len(self.run.unfinished()) < MAX_LIVE_REQUESTS)
+    @precondition(lambda self: self.run.requests and len(self.run.unfinished()) < MAX_LIVE_REQUESTS)
     @rule(data=st.data(), count=BURSTS)
     def repeat_request(self, data: st.DataObject, count: int) -> None:
         """Add a burst of requests repeating one earlier prompt, as users sharing a system prompt do.
@@ -152,13 +152,13 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         head of the prompt that the next one hits locally, loading the rest from the middle of an offloaded
         block (XFER-LOAD-1).
         """
-        earlier = list(self.run.ctx.requests.values())
+        earlier = list(self.run.requests.values())
         before = earlier[data.draw(st.integers(0, len(earlier) - 1), label="earlier_request")]
         for _ in range(min(count, MAX_LIVE_REQUESTS - len(self.run.unfinished()))):
-            request_id = f"r{len(self.run.ctx.requests)}"
+            request_id = f"r{len(self.run.requests)}"
             self.apply("add_request", data.draw(repeated_requests(request_id, before), label="request"))
 
-    @precondition(lambda self: self.run.ctx.requests)
+    @precondition(lambda self: self.run.requests)
     @rule(data=st.data(), count=BURSTS)
     def revisit(self, data: st.DataObject, count: int) -> None:
         """Drain, reset the prefix cache, then repeat an earlier prompt in a burst: now only the store remembers it.
@@ -179,11 +179,17 @@ class ConnectorStateMachine(RuleBasedStateMachine):
                 self.apply("complete_transfers", False, False)
             self.apply("step")
 
-    @precondition(lambda self: self.run.oracle.engine.in_flight_job_count())
+    @precondition(lambda self: self.run.transfers_pending())
     @rule(fail_loads=SOMETIMES, fail_stores=SOMETIMES)
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         failures = self.run.capabilities.transfer_failures
         self.apply("complete_transfers", fail_loads and failures, fail_stores and failures)
+
+    @precondition(lambda self: self.run.capabilities.transfer_failures and self.run.loading())
+    @rule()
+    def fail_loads(self) -> None:
+        """Fail every load in flight: a rule of its own, as the window is short (LIFE-LOAD-3, KVC-FAIL-1)."""
+        self.apply("complete_transfers", True, False)
 
     @precondition(lambda self: self.run.capabilities.abort and self.run.unfinished())
     @rule(data=st.data())
@@ -224,7 +230,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         """End every example idle: a last drain checks for leaks and liveness (LIFE-LEAK-1, LIFE-LIVE-1)."""
         try:
-            if self.run.ctx is not None and not self.run.failed:
+            if self.run.connector_judge is not None and not self.run.failed:
                 self.run.apply(Call("drain"))
         except Diverged:  # a known failure in the last drain ends the example as anywhere else (CONF-RUN-2)
             pass

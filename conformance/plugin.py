@@ -108,7 +108,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     counts = ", ".join(f"{verdicts.count(v)} {v}" for v in ("pass", "fail", "known failure", "not exercised"))
     terminalreporter.section("kvconform")
     terminalreporter.write_line(f"spec {run_report.spec_version}, adapter {run_report.adapter}: {counts} "
-                                f"({run_report.steps} steps compared)")
+                                f"({run_report.steps} steps judged)")
     for clause, reason in sorted(run_report.known_failures.items()):
         terminalreporter.write_line(f"known failure {clause}: {reason}")
     run = config.stash[RUN_OPTIONS]

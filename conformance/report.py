@@ -12,7 +12,7 @@ from xml.etree import ElementTree
 from pydantic import BaseModel, Field
 
 import kvconform
-from kvconform.adapters.contract import Capabilities
+from kvconform.adapters.contract import Capabilities, SpecLevel
 from kvconform.conformance.checks import CHECKS
 from kvconform.conformance.machine import Scheduling
 from kvconform.conformance.runner import Outcome, RunResult
@@ -25,7 +25,9 @@ class ClauseResult(BaseModel):
     """The verdict of one clause in one run."""
 
     id: str = Field(description="the clause ID, e.g. OFF-READ-1")
-    level: str = Field(description="its requirement level: MUST, MUST NOT, SHOULD or MAY")
+    requirement: str = Field(description="its RFC 2119 keyword: MUST, MUST NOT, SHOULD or MAY")
+    spec_level: SpecLevel | None = Field(description="the spec level it belongs to; None for the rules of judging, "
+                                                     "which hold at every level")
     chapter: str = Field(description="the spec chapter file that defines it")
     verdict: Verdict
     exercised: int = Field(description="times a check compared an observation under this clause")
@@ -44,13 +46,17 @@ class RunReport(BaseModel):
     profile: str = Field(description="the Hypothesis profile: ci, dev or thorough")
     seed: int | None = Field(description="the --seed given, or None")
     scheduling: Scheduling = Field(description="the scheduling modes drawn from")
+    levels: list[SpecLevel] = Field(description="the spec levels the run judged: the connector level on the adapter's "
+                                                "own schedule, the offloading level against the reference engine")
+    certified_levels: list[SpecLevel] = Field(description="the judged levels at which every run-time MUST clause "
+                                                          "passed, with no failure and no known failure (CONF-CERT-1)")
     passed: bool = Field(description="no failure: no clause broken beyond the known failures, none stale, no hang")
     outcome: Outcome = Field(description="ok, fail, or info: unknown, an adapter call never returned (CONF-CALL-2)")
     seconds: float = Field(description="wall-clock duration of the run")
     found_after: float | None = Field(None, description="seconds until the first failing program was found, before "
                                                         "shrinking; None when the run found none")
     rules: int = Field(description="state-machine rules run (Hypothesis's stateful steps), each one or more adapter calls")
-    steps: int = Field(description="engine steps compared between the adapter and the reference")
+    steps: int = Field(description="engine steps judged: at the offloading level, compared with the reference's")
     failed_clause: str | None = Field(description="the clause the run failed on")
     message: str | None = Field(description="what was wrong, naming the adapter call that gave it")
     counterexample: str | None = Field(description="the shrunk program of adapter calls that fails, as Python")
@@ -70,27 +76,36 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         verdict: Verdict = ("fail" if clause.id == result.failed_clause else
                             "known failure" if clause.id in result.known_failures else
                             "pass" if count else "not exercised")
-        clauses.append(ClauseResult(id=clause.id, level=clause.level, chapter=clause.chapter, verdict=verdict,
+        clauses.append(ClauseResult(id=clause.id, requirement=clause.requirement, spec_level=clause.spec_level,
+                                    chapter=clause.chapter, verdict=verdict,
                                     exercised=count, checked_at_run_time=clause.id in runtime_checked,
                                     known_failure=result.known_failures.get(clause.id)))
-    return RunReport(
+    run_report = RunReport(
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
-        seed=result.seed, scheduling=result.scheduling, passed=result.passed, outcome=result.outcome,
+        seed=result.seed, scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],
+        passed=result.passed, outcome=result.outcome,
         seconds=round(result.seconds, 3),
         found_after=None if result.found_after is None else round(result.found_after, 3), rules=result.rules, steps=result.steps,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         program=result.program,
         adapter_traceback=result.adapter_traceback, known_failures=known_failures or {}, clauses=clauses,
     )
+    run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
+    return run_report
 
 
-def certification_gaps(run_report: RunReport) -> list[str]:
-    """Return why the run does not certify the adapter; empty when it does (CONF-CERT-1)."""
+def certification_gaps(run_report: RunReport, level: SpecLevel | None = None) -> list[str]:
+    """Return why the run does not certify the adapter at `level` (default: at every level it judged); empty when it
+    does (CONF-CERT-1). Only the clauses of that level, and the rules of judging, count."""
+    levels = run_report.levels if level is None else [level]
+    judged = [c for c in run_report.clauses if c.spec_level is None or c.spec_level in levels]
     gaps = [] if run_report.passed else [f"the run failed: {run_report.failed_clause}"]
-    gaps += [f"{clause}: known failure ({reason})" for clause, reason in sorted(run_report.known_failures.items())]
-    gaps += [f"{c.id} ({c.level}) was not exercised" for c in run_report.clauses
-             if c.level.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"]
+    judged_ids = {c.id for c in judged}
+    gaps += [f"{clause}: known failure ({reason})" for clause, reason in sorted(run_report.known_failures.items())
+             if clause in judged_ids]
+    gaps += [f"{c.id} ({c.requirement}) was not exercised" for c in judged
+             if c.requirement.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"]
     return gaps
 
 
@@ -103,11 +118,11 @@ def junit_xml(run_report: RunReport) -> str:
                                 time=f"{run_report.seconds:.3f}")
     properties = ElementTree.SubElement(suite, "properties")
     for name in ("kvconform_version", "spec_version", "adapter", "implementation_version", "profile", "seed",
-                 "scheduling", "outcome"):
+                 "scheduling", "levels", "certified_levels", "outcome"):
         ElementTree.SubElement(properties, "property", name=name, value=str(getattr(run_report, name)))
     for clause in run_report.clauses:
         case = ElementTree.SubElement(suite, "testcase", classname=f"kvconform.{clause.chapter.removesuffix('.md')}",
-                                      name=f"{clause.id} ({clause.level})")
+                                      name=f"{clause.id} ({clause.requirement})")
         if clause.verdict == "fail":
             failure = ElementTree.SubElement(case, "failure", message=run_report.message or "", type=clause.id)
             failure.text = run_report.counterexample or ""

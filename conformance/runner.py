@@ -11,7 +11,7 @@ from hypothesis import reporting
 from hypothesis.errors import FlakyFailure, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.adapters.contract import KVConnectorAdapter, SpecLevel
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
 from kvconform.conformance.checks import ClauseViolation
@@ -48,6 +48,8 @@ class RunResult:
     program: list[dict] | None = None
     adapter_traceback: str | None = None
     known_failures: dict[str, str] = field(default_factory=dict)
+    levels: tuple[SpecLevel, ...] = ()
+    """The spec levels the run judged: those the adapter reports (`Capabilities.levels`)."""
 
     @property
     def outcome(self) -> Outcome:
@@ -107,6 +109,8 @@ def run(
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
     result.rules, result.steps = session.rules, session.steps
+    if session.last_execution is not None:
+        result.levels = session.last_execution.capabilities.levels
     result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
     result.checks_seconds = session.checks_seconds
     return result

@@ -73,14 +73,18 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
 
 def _print_table(console: Console, run_report) -> None:
     table = Table(title=f"kvconform spec {run_report.spec_version}: {run_report.adapter}")
-    for column in ("clause", "level", "verdict", "exercised"):
+    for column in ("clause", "requirement", "level", "verdict", "exercised"):
         table.add_column(column)
     style = {"pass": "green", "fail": "bold red", "not exercised": "yellow", "known failure": "magenta"}
     for clause in run_report.clauses:
-        table.add_row(clause.id, clause.level, f"[{style[clause.verdict]}]{clause.verdict}[/]", str(clause.exercised))
+        if clause.spec_level is None or clause.spec_level in run_report.levels:
+            table.add_row(clause.id, clause.requirement, clause.spec_level or "every",
+                          f"[{style[clause.verdict]}]{clause.verdict}[/]", str(clause.exercised))
     console.print(table)
+    console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
+                  f"{', '.join(run_report.certified_levels) or 'none'}")
     if run_report.outcome == "ok":
-        console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.steps} steps compared")
+        console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.steps} steps judged")
         return
     if run_report.outcome == "info":
         console.print(f"[bold red]UNKNOWN outcome[/]: {run_report.failed_clause}: {run_report.message}")

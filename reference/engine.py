@@ -38,6 +38,16 @@ class Batch:
 
 
 @dataclass
+class ConnectorReports:
+    """What the connector reported to the engine in one step, per request (chapter `connector-level`)."""
+
+    loads_finished: list[str] = field(default_factory=list)
+    loads_failed: list[str] = field(default_factory=list)
+    free_delayed: list[str] = field(default_factory=list)
+    saves_finished: list[str] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
     """What a step did, for the reference adapter to turn into a `StepObservation`."""
 
@@ -48,6 +58,7 @@ class StepResult:
     freed: list[str] = field(default_factory=list)
     forward_writes: set[int] = field(default_factory=set)
     store_reads_in_flight: set[int] = field(default_factory=set)
+    reports: ConnectorReports = field(default_factory=ConnectorReports)
 
 
 class Engine:
@@ -90,6 +101,7 @@ class Engine:
         self.in_flight: Batch | None = None
         self._step_finished: list[str] = []
         self._step_freed: list[str] = []
+        self._step_reports = ConnectorReports()
 
     # --- requests --------------------------------------------------------------------------
 
@@ -144,6 +156,7 @@ class Engine:
         self.finished_since_schedule.append(request.request_id)
         if self.connector.request_finished(request, self.kv.blocks_of(request.request_id)):
             self.delayed_free.add(request.request_id)
+            self._step_reports.free_delayed.append(request.request_id)
         else:
             self._free(request.request_id)
 
@@ -194,8 +207,8 @@ class Engine:
             previous, self.in_flight = self.in_flight, None
             self._process(previous)
         result = StepResult(scheduled, self._computed_tokens(), self.recorder.take(),
-                            self._step_finished, self._step_freed, writes, reads_in_flight)
-        self._step_finished, self._step_freed = [], []
+                            self._step_finished, self._step_freed, writes, reads_in_flight, self._step_reports)
+        self._step_finished, self._step_freed, self._step_reports = [], [], ConnectorReports()
         return result
 
     def has_work(self) -> bool:
@@ -409,8 +422,12 @@ class Engine:
         update = self.connector.update_connector_output(batch.connector_output)
         for request_id in sorted(update.released & self.delayed_free):
             self.delayed_free.discard(request_id)
+            self._step_reports.saves_finished.append(request_id)
             self._free(request_id)
         for request_id, success in update.loads_done.items():
+            self._step_reports.loads_finished.append(request_id)
+            if not success:
+                self._step_reports.loads_failed.append(request_id)
             request = self.requests[request_id]
             if not request.is_finished:
                 self.loads_done[request_id] = success

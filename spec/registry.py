@@ -1,6 +1,6 @@
 """The clause registry, parsed from the spec's markdown: the markdown is the single source.
 
-A clause is a level-2 heading `## ID — LEVEL` followed by a line naming the reference symbols that
+A clause is a level-2 heading `## ID — REQUIREMENT` (its RFC 2119 keyword) followed by a line naming the reference symbols that
 realise it and the checks that test it, then the normative text:
 
     ## OFF-READ-1 — MUST
@@ -17,19 +17,31 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-HEADING = re.compile(r"^## (?P<id>[A-Z]+(?:-[A-Z]+)*-\d+) — (?P<level>MUST NOT|MUST|SHOULD|MAY)\s*$")
+HEADING = re.compile(r"^## (?P<id>[A-Z]+(?:-[A-Z]+)*-\d+) — (?P<requirement>MUST NOT|MUST|SHOULD|MAY)\s*$")
 TRACE = re.compile(r"^Realised by (?P<symbols>.+?) · checked by (?P<checks>.+)$")
 CODE = re.compile(r"`([^`]+)`")
+
+
+CONNECTOR_LEVEL_CHAPTER = "08-connector-level.md"
+CONFORMANCE_CHAPTER = "07-conformance.md"
 
 
 @dataclass(frozen=True)
 class Clause:
     id: str
-    level: str
+    requirement: str
     chapter: str
     symbols: tuple[str, ...]
     checks: tuple[str, ...]
     text: str
+
+    @property
+    def spec_level(self) -> str | None:
+        """Return the spec level the clause belongs to: "connector" (chapter 08), "offloading" (chapters 01 – 06),
+        or None for the rules of judging itself (chapter 07), which hold at every level."""
+        if self.chapter == CONFORMANCE_CHAPTER:
+            return None
+        return "connector" if self.chapter == CONNECTOR_LEVEL_CHAPTER else "offloading"
 
 
 class SpecFormatError(ValueError):
@@ -53,7 +65,7 @@ def parse_chapter(name: str, text: str) -> list[Clause]:
         trace = TRACE.match(body[0]) if body else None
         if trace is None:
             raise SpecFormatError(f"{name}:{number + 2}: clause {heading['id']} lacks 'Realised by … · checked by …'")
-        clauses.append(Clause(heading["id"], heading["level"], name, tuple(CODE.findall(trace["symbols"])),
+        clauses.append(Clause(heading["id"], heading["requirement"], name, tuple(CODE.findall(trace["symbols"])),
                               tuple(CODE.findall(trace["checks"])), "\n".join(body[1:]).strip()))
     return clauses
 

@@ -22,6 +22,7 @@ from kvconform.adapters.contract import (
     StoreJob,
 )
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.conformance.mutants import black_box
 
 
 def faulty(operation: str, fault: Callable[[Any], Any], after: int = 2) -> type[ReferenceAdapter]:
@@ -120,6 +121,8 @@ FAULTS: dict[str, tuple[Callable[[], Any], str, str]] = {
     "skip-read-answered": (AnswersSkipReadRequests, "OFF-READ-2", "skip-read request answered"),
     "resource-usage-unfinished": (faulty("resource_usage", unfinished_forever, after=0), "LIFE-LIVE-1",
                                   "still unfinished"),
+    "black-box-unfinished": (black_box(faulty("resource_usage", unfinished_forever, after=0)), "KVC-LIVE-1",
+                             "still unfinished"),
     "step-hangs": (faulty("step", hanging), "CONF-CALL-2", "adapter.step()"),
     "store-contents-hangs": (faulty("store_contents", hanging), "CONF-CALL-2", "adapter.store_contents()"),
 }

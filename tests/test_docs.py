@@ -43,7 +43,7 @@ def test_clause_is_rendered_in_its_chapter(site: Path, clause_id: str) -> None:
     """Each clause: anchor = its ID with its level badge, its realising symbols and its checks."""
     clause = registry.clauses()[clause_id]
     html = page(site, chapter(clause))
-    assert re.search(rf'<h2 id="{clause_id}">{clause_id} <span class="kv-level [^"]+">{clause.level}</span>', html)
+    assert re.search(rf'<h2 id="{clause_id}">{clause_id} <span class="kv-requirement [^"]+">{clause.requirement}</span>', html)
     section = html.split(f'<h2 id="{clause_id}">', 1)[1].split("<h2 ", 1)[0]
     for name in (*clause.symbols, *clause.checks):
         assert f"<code>{name.split('::')[-1]}</code>" in section, f"{clause_id}: {name} not shown"

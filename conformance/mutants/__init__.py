@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvconform.adapters.contract import Capabilities, SpecLevel
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
@@ -296,6 +297,63 @@ class LeaksBlockOnAbortEngine(Engine):
         super().abort(request_id)
 
 
+# --- the connector level: black-box faults, seen only through the public connector API ------------------
+
+
+class NegativeSkipAnswerAdapter(ReferenceAdapter):
+    """A connector answers -1 ("not allowed") to a request that must not read cached KV; vLLM 0.32+'s scheduler
+    zeroes such requests' answers itself, so the engine runs on (base.py: the count is never negative)."""
+
+    def observe(self, result):
+        observation = super().observe(result)
+        skipping = {r for r, request in self.engine.requests.items() if request.skip_reading_prefix_cache}
+        answers = tuple(a.model_copy(update={"external_tokens": -1}) if a.request_id in skipping and a.external_tokens == 0
+                        else a for a in observation.match_answers)
+        return observation.model_copy(update={"match_answers": answers})
+
+
+class ReportsLoadTwiceConnector(OffloadConnectorScheduler):
+    """get_finished reports each finished load again at the next step: a receiving id reported twice."""
+
+    def update_connector_output(self, output):
+        update = super().update_connector_output(output)
+        again, self.reported_loads = getattr(self, "reported_loads", {}), dict(update.loads_done)
+        update.loads_done = {**{r: True for r in again}, **update.loads_done}
+        return update
+
+
+class DropsFinishedLoadsConnector(OffloadConnectorScheduler):
+    """get_finished never reports a finished load: the request waits for it forever."""
+
+    def update_connector_output(self, output):
+        update = super().update_connector_output(output)
+        update.loads_done = {}
+        return update
+
+
+class FreesDelayedBlocksEngine(Engine):
+    """request_finished's delay_free=True is ignored: the blocks are freed at once, while the connector still
+    writes into them (the kind of vLLM #45823)."""
+
+    def _finish(self, request, status):
+        super()._finish(request, status)
+        if request.request_id in self.delayed_free:
+            self.delayed_free.discard(request.request_id)
+            self._free(request.request_id)
+
+
+class FailedLoadKeptEngine(Engine):
+    """A failed load's tokens stay counted as computed: kv_load_failure_policy="recompute" ignored."""
+
+    def _process(self, batch):
+        loading = {r: q.num_computed_tokens for r, q in self.requests.items() if q.status is RequestStatus.WAITING_FOR_LOAD}
+        super()._process(batch)
+        for request_id, num_computed in loading.items():
+            if self.loads_done.get(request_id) is False:
+                self.requests[request_id].num_computed_tokens = num_computed
+                self.loads_done[request_id] = True
+
+
 PART_SLOTS = {OffloadConnectorScheduler: "connector_class", OffloadManager: "manager_class",
               OffloadConnectorWorker: "worker_class"}
 """Which attribute of the reference `Engine` holds each replaceable part."""
@@ -323,23 +381,39 @@ class Mutant:
     part: type
     vllm_ref: str
     clauses: tuple[str, ...]
+    levels: tuple[SpecLevel, ...] = ("connector", "offloading")
 
     @property
     def adapter(self) -> type[ReferenceAdapter]:
         """Return a reference adapter whose engine uses this mutant's part instead of the reference's (or the part,
-        if it is an adapter itself)."""
+        if it is an adapter itself), reporting the spec levels of the row."""
         if issubclass(self.part, ReferenceAdapter):
-            return self.part
-        if issubclass(self.part, Engine):
-            engine = self.part
+            adapter = self.part
         else:
-            slot = next(slot for base, slot in PART_SLOTS.items() if issubclass(self.part, base))
-            engine = type(f"{self.part.__name__}Engine", (Engine,), {slot: self.part})
-        return type(f"{self.part.__name__}Adapter", (ReferenceAdapter,), {"engine_class": engine})
+            if issubclass(self.part, Engine):
+                engine = self.part
+            else:
+                slot = next(slot for base, slot in PART_SLOTS.items() if issubclass(self.part, base))
+                engine = type(f"{self.part.__name__}Engine", (Engine,), {slot: self.part})
+            adapter = type(f"{self.part.__name__}Adapter", (ReferenceAdapter,), {"engine_class": engine})
+        return adapter if self.levels == Mutant.levels else black_box(adapter)
+
+
+def black_box(adapter: type[ReferenceAdapter]) -> type[ReferenceAdapter]:
+    """Return the adapter reporting the connector level only: judged as any KVConnectorBase_V1, on its own schedule."""
+
+    def capabilities(self) -> Capabilities:
+        return adapter.capabilities(self).model_copy(update={"levels": ("connector",)})
+
+    return type(f"BlackBox{adapter.__name__}", (adapter,), {"capabilities": capabilities})
 
 
 def row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
     return Mutant(part, vllm_ref, clauses)
+
+
+def black_box_row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
+    return Mutant(part, vllm_ref, clauses, ("connector",))
 
 
 MUTANTS = {
@@ -375,5 +449,15 @@ MUTANTS = {
     "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),
     "leaks-block-on-abort": row(LeaksBlockOnAbortEngine, "no leaks",
                                 "LIFE-LEAK-1", "PFX-RESET-1", "SCHED-STEP-2", "OFF-MGR-1"),
+    # the connector level, black box: only what crosses the public connector API and the bytes are seen
+    "negative-answer": black_box_row(NegativeSkipAnswerAdapter, "base.py contract", "KVC-MATCH-1"),
+    "load-reported-twice": black_box_row(ReportsLoadTwiceConnector, "base.py contract", "KVC-ASYNC-1"),
+    "load-never-reported": black_box_row(DropsFinishedLoadsConnector, "base.py contract", "KVC-ASYNC-1"),
+    "frees-delayed-blocks": black_box_row(FreesDelayedBlocksEngine, "#45823 (black box)", "KVC-FREE-1"),
+    "failed-load-kept": black_box_row(FailedLoadKeptEngine, "kv_load_failure_policy", "KVC-FAIL-1"),
+    "skip-flag-ignored-black-box": black_box_row(SkipFlagIgnoredConnector, "#44585 / PR #44592", "KVC-SKIP-1"),
+    "cross-tenant-hit-black-box": black_box_row(TenantlessKeyConnector, "#44701", "KVC-HIT-1", "KVC-DATA-1"),
+    "corrupting-store-black-box": black_box_row(CorruptingStoreWorker, "data integrity", "KVC-DATA-1"),
+    "leaks-block-on-abort-black-box": black_box_row(LeaksBlockOnAbortEngine, "no leaks", "KVC-LEAK-1"),
 }
 """Mutant name → catalogue row: first the vLLM bug catalogue of the design notes, then contract and integrity faults."""

@@ -243,13 +243,14 @@ def first_line(doc: str) -> str:
 # --- generated pages ---------------------------------------------------------------------------
 
 
-def level_badge(level: str) -> str:
-    return f'<span class="kv-level kv-level-{level.lower().replace(" ", "-")}">{level}</span>'
+def requirement_badge(requirement: str) -> str:
+    return (f'<span class="kv-requirement kv-requirement-{requirement.lower().replace(" ", "-")}">'
+            f'{requirement}</span>')
 
 
 def clause_section(clause: registry.Clause, page: str) -> str:
-    """Return a clause as markdown: anchored heading with level badge, text, realising code, checks."""
-    parts = [f'## {clause.id} {level_badge(clause.level)} {{ #{clause.id} data-toc-label="{clause.id}" }}',
+    """Return a clause as markdown: anchored heading with requirement badge, text, realising code, checks."""
+    parts = [f'## {clause.id} {requirement_badge(clause.requirement)} {{ #{clause.id} data-toc-label="{clause.id}" }}',
              linkify(clause.text, page), "**Realised by**"]
     for name in clause.symbols:
         definition = symbol(name)
@@ -284,14 +285,14 @@ def chapter_page(name: str) -> str:
 
 
 def clause_index_page() -> str:
-    rows = ["| clause | level | chapter | checked by |", "| --- | --- | --- | --- |"]
+    rows = ["| clause | requirement | spec level | chapter | checked by |", "| --- | --- | --- | --- | --- |"]
     for clause in CLAUSES.values():
         tests = sum("::" in c for c in clause.checks)
         checks = [f"`{c}`" for c in clause.checks if "::" not in c]
         checks += [f"{tests} unit test{'s' * (tests > 1)}"] if tests else []
         chapter = f"[{chapter_title(clause.chapter)}]({link(CHAPTER_PAGES[clause.chapter], CLAUSE_INDEX)})"
-        rows.append(f"| [{clause.id}]({clause_link(clause.id, CLAUSE_INDEX)}) | {level_badge(clause.level)} "
-                    f"| {chapter} | {', '.join(checks)} |")
+        rows.append(f"| [{clause.id}]({clause_link(clause.id, CLAUSE_INDEX)}) | {requirement_badge(clause.requirement)} "
+                    f"| {clause.spec_level or 'every'} | {chapter} | {', '.join(checks)} |")
     runtime = sum(any(c in CHECKS for c in clause.checks) for clause in CLAUSES.values())
     return (f"# Clause index\n\nkvconform spec {registry.spec_version()}: {len(CLAUSES)} clauses, {runtime} of "
             f"them checked at run time by a registered check, the others by unit tests of the reference only.\n\n"

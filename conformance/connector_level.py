@@ -1,0 +1,241 @@
+"""The connector level's judge: any KVConnectorBase_V1, judged on the engine's own schedule (chapter `connector-level`).
+
+The judge never decides which request runs. It reads each step the adapter reports — scheduled tokens,
+computed tokens, the connector's answers, load and save reports, finishes and frees — as input, keeps the
+history of KV the engine computed (`reference.kv_history.KVHistory`) and the protocol state of each request
+(`ScheduleTrace`), and checks what must hold whatever the schedule: answers in range, hits only for KV
+computed before in the same tenant, every byte right, every async load reported once, delayed frees honoured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvconform.adapters.contract import EngineConfig, RequestSpec, ResourceUsage, StepObservation
+from kvconform.conformance.checks import ClauseViolation, check
+from kvconform.reference.kv_history import KVHistory
+
+
+@dataclass
+class ScheduleTrace:
+    """The adapter's schedule as its observations tell it: which requests are where in their lifecycle."""
+
+    unfinished: set[str] = field(default_factory=set)
+    running: set[str] = field(default_factory=set)
+    """Requests the latest step scheduled that have not finished."""
+    loads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Requests whose latest answer offered external tokens → (local hit, tokens the load would complete)."""
+    loading: set[str] = field(default_factory=set)
+    """Requests whose asynchronous load was admitted and not reported finished yet (KVC-ASYNC-1)."""
+    loaded: set[str] = field(default_factory=set)
+    """Requests whose load was reported finished, successfully, in the latest step."""
+    delayed: set[str] = field(default_factory=set)
+    """Finished requests whose free the connector delayed and has not ended yet (KVC-FREE-1)."""
+    in_flight: bool = False
+    """The latest step scheduled tokens: with async scheduling its output is still to be processed."""
+    computed_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ConnectorJudge:
+    """Judges one execution at the connector level, following the adapter's own schedule."""
+
+    config: EngineConfig
+    exercised: dict[str, int]
+    requests: dict[str, RequestSpec] = field(default_factory=dict)
+    history: KVHistory = field(default_factory=KVHistory)
+    trace: ScheduleTrace = field(default_factory=ScheduleTrace)
+
+    def exercise(self, clause: str) -> None:
+        self.exercised[clause] = self.exercised.get(clause, 0) + 1
+
+    def add_request(self, spec: RequestSpec) -> None:
+        """Track a request the harness added: it is unfinished until the adapter reports it finished."""
+        self.requests[spec.request_id] = spec
+        self.history.add(spec.request_id, spec.prompt, spec.max_tokens, spec.cache_salt, spec.lora_name)
+        self.trace.unfinished.add(spec.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """An aborted request finishes at once; its load, if any, is still to be reported (KVC-ASYNC-1)."""
+        self.trace.unfinished.discard(request_id)
+        self.trace.running.discard(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        self.trace.running.discard(request_id)
+
+    def busy(self) -> bool:
+        """Return True while the adapter may still have work for a step: a request, a delayed free, a load, an output."""
+        trace = self.trace
+        return bool(trace.unfinished or trace.delayed or trace.loading or trace.in_flight)
+
+    def resident(self) -> list[str]:
+        """Return the requests whose computed tokens' KV must be in their GPU blocks now: running or just loaded."""
+        return sorted((self.trace.running | self.trace.loaded) & self.trace.unfinished)
+
+    def follow(self, observation: StepObservation) -> None:
+        """Advance the trace and the KV history past a judged step."""
+        trace = self.trace
+        finished = set(observation.finished)
+        trace.unfinished -= finished
+        trace.delayed = (trace.delayed | set(observation.free_delayed)) - set(observation.saves_finished)
+        trace.loading -= set(observation.loads_finished)
+        trace.loaded = set(observation.loads_finished) - set(observation.loads_failed)
+        for answer in observation.match_answers:
+            request_id, tokens = answer.request_id, answer.external_tokens
+            trace.loading.discard(request_id)
+            trace.loads.pop(request_id, None)
+            if tokens and tokens > 0:
+                trace.loads[request_id] = (answer.local_hit_tokens, answer.local_hit_tokens + tokens)
+                if answer.load_async and observation.computed_tokens.get(request_id) == trace.loads[request_id][1]:
+                    trace.loading.add(request_id)
+        for request_id, num_new in observation.scheduled_tokens.items():
+            self.history.record_computed(request_id, self._start_of_step(request_id, observation) + num_new)
+        for request_id in trace.loaded & observation.computed_tokens.keys():
+            self.history.record_computed(request_id, observation.computed_tokens[request_id])
+        trace.running = set(observation.scheduled_tokens) - finished
+        trace.in_flight = bool(observation.scheduled_tokens)
+        trace.computed_tokens = dict(observation.computed_tokens)
+
+    def _start_of_step(self, request_id: str, observation: StepObservation) -> int:
+        """Return the tokens a scheduled request had computed before the step: its hit if admitted in it (a
+        synchronous load included), else what the previous step left (a request finishing is no longer counted)."""
+        answers = [answer for answer in observation.match_answers if answer.request_id == request_id]
+        if not answers:
+            return self.trace.computed_tokens.get(request_id, 0)
+        answer = answers[-1]
+        return answer.local_hit_tokens + (answer.external_tokens or 0) * (not answer.load_async)
+
+
+# --- each step's answers and reports ---------------------------------------------------------------
+
+
+@check("KVC-MATCH-1", kind="connector")
+def check_answer_range(judge: ConnectorJudge, observation: StepObservation) -> None:
+    """Every answer is None or a count >= 0, within the request's tokens, asynchronous only with tokens > 0."""
+    for answer in observation.match_answers:
+        judge.exercise("KVC-MATCH-1")
+        tokens, request_id = answer.external_tokens, answer.request_id
+        if tokens is None:
+            continue
+        bound = judge.history.requests[request_id].max_kv_tokens
+        if tokens < 0 or answer.local_hit_tokens + tokens > bound or (answer.load_async and not tokens):
+            raise ClauseViolation("KVC-MATCH-1", f"request {request_id!r}: answered ({tokens}, {answer.load_async}) "
+                                                 f"after a local hit of {answer.local_hit_tokens}; the request has at "
+                                                 f"most {bound} tokens with KV")
+
+
+@check("KVC-SKIP-1", kind="connector")
+def check_skip_read_black_box(judge: ConnectorJudge, observation: StepObservation) -> None:
+    """A request that must not read cached KV gets no external tokens and so no load."""
+    for answer in observation.match_answers:
+        if not judge.requests[answer.request_id].skip_reading_prefix_cache:
+            continue
+        judge.exercise("KVC-SKIP-1")
+        if answer.external_tokens or answer.load_async:
+            raise ClauseViolation("KVC-SKIP-1", f"request {answer.request_id!r} must not read cached KV, yet the "
+                                                f"connector answered ({answer.external_tokens}, {answer.load_async})")
+
+
+@check("KVC-HIT-1", kind="connector")
+def check_hits_were_computed(judge: ConnectorJudge, observation: StepObservation) -> None:
+    """A hit covers only a prefix whose KV the engine computed before, in the request's tenant."""
+    for answer in observation.match_answers:
+        if not answer.external_tokens or answer.external_tokens < 0:
+            continue
+        judge.exercise("KVC-HIT-1")
+        covered = answer.local_hit_tokens + answer.external_tokens
+        if covered <= judge.history.requests[answer.request_id].max_kv_tokens and not judge.history.was_computed(
+                answer.request_id, covered):
+            spec = judge.requests[answer.request_id]
+            raise ClauseViolation("KVC-HIT-1", f"request {answer.request_id!r}: the connector offers the KV of its first "
+                                               f"{covered} tokens, which no request of tenant (cache_salt="
+                                               f"{spec.cache_salt!r}, lora_name={spec.lora_name!r}) has computed")
+
+
+@check("KVC-ASYNC-1", kind="connector")
+def check_async_loads(judge: ConnectorJudge, observation: StepObservation) -> None:
+    """Each admitted asynchronous load is reported finished exactly once, before its request runs."""
+    loading = judge.trace.loading
+    for request_id in observation.loads_finished:
+        judge.exercise("KVC-ASYNC-1")
+        if request_id not in loading:
+            raise ClauseViolation("KVC-ASYNC-1", f"the connector reported a load of request {request_id!r} finished, "
+                                                 "but no load of it was in flight (reported twice, or never started)")
+    unreported = sorted(set(observation.scheduled_tokens) & loading - set(observation.loads_finished))
+    if unreported:
+        raise ClauseViolation("KVC-ASYNC-1", f"request(s) {unreported} ran while their asynchronous load was not "
+                                             "reported finished")
+
+
+@check("KVC-FAIL-1", kind="connector")
+def check_load_failures(judge: ConnectorJudge, observation: StepObservation) -> None:
+    """A failed load is reported only for a request with a load; the tokens it failed to bring are then recomputed."""
+    for request_id in observation.loads_failed:
+        judge.exercise("KVC-FAIL-1")
+        if request_id not in judge.trace.loads:
+            raise ClauseViolation("KVC-FAIL-1", f"the connector reported a failed load for request {request_id!r}, "
+                                                "which was offered no external tokens")
+        end, computed = judge.trace.loads[request_id][1], observation.computed_tokens.get(request_id, 0)
+        if request_id in observation.computed_tokens and computed >= end:
+            raise ClauseViolation("KVC-FAIL-1", f"request {request_id!r}: its load failed, yet it still counts all "
+                                                f"{computed} tokens the load was to complete as computed: what failed is "
+                                                "never recomputed")
+
+
+@check("KVC-FREE-1", kind="connector")
+def check_delayed_frees(judge: ConnectorJudge, observation: StepObservation) -> None:
+    """Blocks whose free the connector delayed are freed when it ends the delay, not before; ends only its own."""
+    delayed = judge.trace.delayed | set(observation.free_delayed)
+    released, freed = set(observation.saves_finished), set(observation.freed)
+    if observation.free_delayed or released:
+        judge.exercise("KVC-FREE-1")
+    strangers = sorted(released - delayed)
+    if strangers:
+        raise ClauseViolation("KVC-FREE-1", f"the connector ended the delayed free of {strangers}, whose frees it "
+                                            "never delayed")
+    early = sorted(freed & delayed - released)
+    if early:
+        raise ClauseViolation("KVC-FREE-1", f"request(s) {early} freed while the connector still holds their blocks "
+                                            "(request_finished answered delay_free=True and no save has finished)")
+    kept = sorted(released - freed)
+    if kept:
+        raise ClauseViolation("KVC-FREE-1", f"the connector released request(s) {kept}, but their blocks were not freed")
+
+
+# --- bytes ----------------------------------------------------------------------------------------------
+
+
+@check("KVC-DATA-1", kind="connector-data")
+def check_resident_bytes(judge: ConnectorJudge, request_id: str, kv: torch.Tensor) -> None:
+    """The GPU bytes of a running or just loaded request's computed tokens are the KV of that prefix in its tenant."""
+    judge.exercise("KVC-DATA-1")
+    num_tokens = judge.trace.computed_tokens.get(request_id, 0)
+    expected = judge.history.expected_kv(request_id, num_tokens, judge.config.token_width, kv.dtype)
+    if kv.shape != expected.shape or not torch.equal(kv, expected):
+        wrong = ((kv != expected).any(dim=1).nonzero().flatten().tolist() if kv.shape == expected.shape
+                 else f"all (shape {tuple(kv.shape)}, expected {tuple(expected.shape)})")
+        raise ClauseViolation("KVC-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong} are not "
+                                            "what the engine computed for that prefix in the request's tenant")
+
+
+# --- once the engine is drained --------------------------------------------------------------------------
+
+
+@check("KVC-ASYNC-1", "KVC-LIVE-1", "KVC-LEAK-1", kind="connector-drain")
+def check_connector_drained(judge: ConnectorJudge, usage: ResourceUsage, steps: int) -> None:
+    """Once transfers complete, every load is reported, every request finished, nothing held."""
+    judge.exercise("KVC-LIVE-1")
+    judge.exercise("KVC-LEAK-1")
+    if judge.trace.loading:
+        raise ClauseViolation("KVC-ASYNC-1", f"the loads of {sorted(judge.trace.loading)} were never reported finished "
+                                             f"after {steps} drain steps with every transfer completed")
+    if usage.unfinished_requests or judge.trace.unfinished:
+        raise ClauseViolation("KVC-LIVE-1", f"request(s) {sorted(judge.trace.unfinished)} still unfinished after "
+                                            f"{steps} drain steps with every transfer completed")
+    leaks = {name: value for name, value in usage.model_dump().items() if value}
+    if judge.trace.delayed:
+        leaks["delayed_frees"] = sorted(judge.trace.delayed)
+    if leaks:
+        raise ClauseViolation("KVC-LEAK-1", f"engine idle but still holds {leaks}")

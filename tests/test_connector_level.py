@@ -1,0 +1,91 @@
+"""The connector level (chapter 08): its history model, its positive control, and its judge on the adapter's own
+schedule, with no reference engine stepped alongside."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.adapters.contract import EngineConfig, KVConnectorAdapter, RequestSpec
+from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.conformance import runner
+from kvconform.conformance.execution import Execution, Session
+from kvconform.conformance.mutants import MUTANTS, black_box
+from kvconform.reference.engine import Engine
+from kvconform.reference.kv_history import KVHistory
+
+PROMPT = (1, 2, 3, 0) * 6
+
+
+def drain(adapter: KVConnectorAdapter) -> None:
+    """Complete every transfer and step until the adapter holds nothing."""
+    for _ in range(32):
+        adapter.complete_transfers(False, False)
+        adapter.step()
+        if not any(adapter.resource_usage().model_dump().values()):
+            return
+    raise AssertionError("the adapter did not drain")
+
+
+def external_hit_after_local_reset(adapter: KVConnectorAdapter, first: RequestSpec) -> int:
+    """Run `first` to the end, reset the local prefix cache only, send its prompt again (reading allowed) and
+    return the external tokens the connector offers it: the positive control of KVC-SAVE-1."""
+    adapter.start(EngineConfig(block_size_factor=1, num_offload_blocks=32))
+    adapter.add_request(first)
+    drain(adapter)
+    assert adapter.reset_prefix_cache(False)
+    adapter.add_request(RequestSpec(request_id="again", prompt=first.prompt, cache_salt=first.cache_salt,
+                                    lora_name=first.lora_name))
+    answers = [a for a in adapter.step().match_answers if a.request_id == "again"]
+    return answers[0].external_tokens or 0
+
+
+@pytest.mark.parametrize("skip_read", [False, True])
+def test_saved_prefix_hits_after_a_local_reset(skip_read: bool) -> None:
+    """KVC-SAVE-1: with room to spare, what a request computed — a skip-read one's too — is offered again."""
+    first = RequestSpec(request_id="first", prompt=PROMPT, skip_reading_prefix_cache=skip_read)
+    assert external_hit_after_local_reset(ReferenceAdapter(), first) == len(PROMPT)
+
+
+def test_positive_control_fails_a_connector_that_does_not_save_skip_read_requests() -> None:
+    """KVC-SAVE-1's control tells PR #44592's first draft (skip-read requests never stored) from the fix."""
+    first = RequestSpec(request_id="first", prompt=PROMPT, skip_reading_prefix_cache=True)
+    assert external_hit_after_local_reset(MUTANTS["skip-returns-early"].adapter(), first) == 0
+
+
+def test_history_derives_the_tokens_an_engine_decodes() -> None:
+    """The judge knows every request's tokens without asking the engine: they equal the reference engine's outputs."""
+    engine = Engine(EngineConfig())
+    engine.add_request(RequestSpec(request_id="r", prompt=(2, 1), max_tokens=4, cache_salt="a"))
+    while engine.has_work() or engine.in_flight is not None:
+        engine.step()
+    history = KVHistory()
+    history.add("r", (2, 1), 4, "a", None)
+    assert history.prefix("r", 6) == engine.requests["r"].tokens
+
+
+def test_history_keeps_tenants_apart() -> None:
+    """KVC-HIT-1: a prefix one tenant computed is not computed for another, nor is a longer one."""
+    history = KVHistory()
+    history.add("a", PROMPT, 1, "tenant-a", None)
+    history.add("b", PROMPT, 1, "tenant-b", None)
+    history.add("c", PROMPT, 1, "tenant-a", None)
+    history.record_computed("a", 8)
+    assert history.was_computed("c", 8) and history.was_computed("c", 4)
+    assert not history.was_computed("b", 8) and not history.was_computed("c", 12)
+
+
+def test_connector_level_alone_steps_no_reference() -> None:
+    """An adapter reporting the connector level only is judged on its own schedule: no reference engine runs."""
+    execution = Execution(Session(black_box(ReferenceAdapter)))
+    assert execution.begin().levels == ("connector",)
+    assert execution.oracle is None
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_reference_conforms_at_the_connector_level_alone(scheduling: str) -> None:
+    """The reference passes the ci profile judged as a black box, and the run says which level it judged."""
+    result = runner.run(black_box(ReferenceAdapter), "reference", "ci", scheduling=scheduling)
+    assert result.passed, f"[{result.failed_clause}] {result.message}\n{result.counterexample}"
+    assert result.levels == ("connector",)
+    assert not any(clause.startswith(("OFF-", "XFER-", "SCHED-")) for clause in result.coverage)
+    assert {"KVC-DATA-1", "KVC-HIT-1", "KVC-ASYNC-1", "KVC-LIVE-1"} <= set(result.coverage)
