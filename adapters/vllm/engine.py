@@ -48,6 +48,10 @@ class StepTrace:
     freed: list[str] = field(default_factory=list)
     forward_writes: set[int] = field(default_factory=set)
     store_reads_in_flight: set[int] = field(default_factory=set)
+    loads_finished: list[str] = field(default_factory=list)
+    loads_failed: list[str] = field(default_factory=list)
+    free_delayed: list[str] = field(default_factory=list)
+    saves_finished: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -230,6 +234,7 @@ class VllmAdapter(KVConnectorAdapter):
         self.runner = runner_glue(self.rt, self.vllm_config, self.worker, {KV_LAYER: self.transfer.gpu})
         self.scheduler.finished_req_ids = FinishOrder()
         wrap(self.scheduler.connector, "get_num_new_matched_tokens", self._record_match)
+        wrap(self.scheduler.connector, "request_finished", self._record_finish_answer)
         wrap(self.scheduler.kv_cache_manager, "free", self._record_free)
         if hasattr(self.scheduler.kv_cache_manager, "pop_blocks_for_free"):  # 0.24+: frees deferred in async mode
             wrap(self.scheduler.kv_cache_manager, "pop_blocks_for_free", self._record_free)
@@ -374,7 +379,9 @@ class VllmAdapter(KVConnectorAdapter):
         return kv_content.token_states(kv_content.initial_state(spec.lora_name, spec.cache_salt), tokens)
 
     def _process(self, batch: Batch) -> None:
-        """`Scheduler.update_from_output`; finished requests are read from the engine-core outputs."""
+        """`Scheduler.update_from_output`; finished requests are read from the engine-core outputs, the connector's
+        reports (chapter `connector-level`) from the runner output it processes."""
+        self._record_connector_output(getattr(batch.runner_output, "kv_connector_output", None))
         outputs = self.scheduler.update_from_output(batch.scheduler_output, batch.runner_output)
         for engine_outputs in outputs.values():
             self.trace.finished += [o.request_id for o in engine_outputs.outputs if o.finish_reason is not None]
@@ -385,6 +392,21 @@ class VllmAdapter(KVConnectorAdapter):
         tokens, load_async = result
         self.trace.match_answers.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
                                                     external_tokens=tokens, load_async=load_async))
+
+    def _record_finish_answer(self, result: tuple[bool, Any], request: Any, *args: Any) -> None:
+        if result[0]:
+            self.trace.free_delayed.append(request.request_id)
+
+    def _record_connector_output(self, output: Any) -> None:
+        """Record what the worker-side connector reported: finished loads and saves, and the requests whose blocks
+        a load failed to fill (`invalid_block_ids`, named by the requests that hold them)."""
+        if output is None:
+            return
+        self.trace.loads_finished += sorted(getattr(output, "finished_recving", None) or ())
+        self.trace.saves_finished += sorted(getattr(output, "finished_sending", None) or ())
+        failed_blocks = set(getattr(output, "invalid_block_ids", None) or ())
+        self.trace.loads_failed += sorted(request_id for request_id, request in self.scheduler.requests.items()
+                                          if not request.is_finished() and failed_blocks & set(self.block_ids(request_id)))
 
     def _record_free(self, result: Any, request: Any) -> None:
         if request.is_finished():
@@ -397,6 +419,8 @@ class VllmAdapter(KVConnectorAdapter):
             computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items() if not q.is_finished()},
             match_answers=tuple(trace.match_answers), finished=tuple(trace.finished), freed=tuple(trace.freed),
             forward_writes=frozenset(trace.forward_writes), store_reads_in_flight=frozenset(trace.store_reads_in_flight),
+            loads_finished=tuple(trace.loads_finished), loads_failed=tuple(trace.loads_failed),
+            free_delayed=tuple(trace.free_delayed), saves_finished=tuple(trace.saves_finished),
         )
         self.observe_connector(observation)
         return StepObservation(**observation)

@@ -232,11 +232,14 @@ class VllmSimpleCPUAdapter(VllmAdapter):
 
     def store_refs(self, gpu_blocks: list[int]) -> list[BlockRef]:
         """Name the GPU blocks of a store event by the request block each holds; a block that several requests hold
-        (a prefix hit) is named after a request whose blocks this step's store walked past (its offers), and a
-        block of a request that has finished since, after that request."""
-        offered = {offer.request_id for offer in self.record["offers"]}
+        (a prefix hit) is named after the request whose offer of this step covers it, and a block of a request
+        that has finished since, after that request."""
         owner = {}
-        for request_id, state in sorted(self.manager._reqs_to_store.items(), key=lambda item: item[0] not in offered):
+        for offer in self.record["offers"]:
+            state = self.manager._reqs_to_store.get(offer.request_id)
+            for index in offer.offload_indices if state is not None else ():
+                owner.setdefault(state.block_ids[0][index], BlockRef(request_id=offer.request_id, index=index))
+        for request_id, state in self.manager._reqs_to_store.items():
             for position, block in enumerate(state.block_ids[0]):
                 owner.setdefault(block, BlockRef(request_id=request_id, index=position))
         self.block_owner.update(owner)
