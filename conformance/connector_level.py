@@ -113,7 +113,7 @@ class ConnectorJudge:
 
 @check("KVC-MATCH-1", kind="connector")
 def check_answer_range(judge: ConnectorJudge, observation: StepObservation) -> None:
-    """Every answer is None or a count >= 0, within the request's tokens, asynchronous only with tokens > 0."""
+    """Every answer is None or a non-negative count within the request's tokens, asynchronous only when not 0."""
     for answer in observation.match_answers:
         judge.exercise("KVC-MATCH-1")
         tokens, request_id = answer.external_tokens, answer.request_id

@@ -48,6 +48,23 @@ class RunOptions:
     certify: bool = False
 
 
+CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST")
+"""Where the connector that `vllm-connector` builds is named: set by --connector, --connector-config and
+--connector-manifest (--kv-connector… in pytest), read by the adapter, also in pytest-xdist workers."""
+
+
+def select_connector(*values: str | None) -> None:
+    """Name the connector, its config and its manifest for `vllm-connector`; values not given are left as set."""
+    for variable, value in zip(CONNECTOR_VARIABLES, values):
+        if value is not None:
+            os.environ[variable] = value
+
+
+def seed_words(seed: int | None) -> str:
+    """Return how a run's programs are seeded, as its banner says it."""
+    return f"seed {seed}" if seed is not None else "the profile's own seed"
+
+
 def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | None = None,
             scheduling: str = "both", call_timeout: float = DEFAULT_CALL_TIMEOUT,
             known_failures_path: Path | None = None, report_path: Path | None = None,

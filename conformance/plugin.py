@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 OPTION_ADAPTER = "--kv-adapter"
 OPTION_PROFILE = "--kv-profile"
 OPTION_SEED = "--kv-seed"
+OPTION_CONNECTOR = "--kv-connector"
+OPTION_CONNECTOR_CONFIG = "--kv-connector-config"
+OPTION_CONNECTOR_MANIFEST = "--kv-connector-manifest"
 OPTION_SCHEDULING = "--kv-scheduling"
 OPTION_CALL_TIMEOUT = "--kv-call-timeout"
 OPTION_REPORT = "--kv-report"
@@ -67,6 +70,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="File of 'CLAUSE-ID: reason' lines: reported, not fatal; stale entries fail")
     group.addoption(OPTION_CERTIFY, dest="kv_certify", action="store_true",
                     help="Fail unless every run-time-checked MUST clause was exercised and passed")
+    group.addoption(OPTION_CONNECTOR, dest="kv_connector", default=None,
+                    help="For vllm-connector: the KV connector, a name vLLM knows or module:Class")
+    group.addoption(OPTION_CONNECTOR_CONFIG, dest="kv_connector_config", default=None,
+                    help="For vllm-connector: kv_connector_extra_config, JSON")
+    group.addoption(OPTION_CONNECTOR_MANIFEST, dest="kv_connector_manifest", default=None,
+                    help="For vllm-connector: what the connector claims, a JSON object of Capabilities fields")
 
 
 def adapter_spec(config: pytest.Config) -> str | None:
@@ -80,6 +89,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     from kvconform.conformance import options
 
+    options.select_connector(*(config.getoption(dest) for dest in
+                               ("kv_connector", "kv_connector_config", "kv_connector_manifest")))
     given = {keyword: config.getoption(dest) for keyword, dest in PREPARE_ARGUMENTS.items()}
     try:
         config.stash[RUN_OPTIONS] = options.prepare(spec, **{k: v for k, v in given.items() if v is not None})
@@ -93,9 +104,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     run = config.stash.get(RUN_OPTIONS, None)
     if run is None:
         return []
+    from kvconform.conformance import options
+
     env = {k: v for k, v in os.environ.items() if k.startswith("KVCONFORM_")}
     return [f"kvconform: adapter {run.adapter_spec} {run.implementation_version}, profile {run.profile}, "
-            f"seed {run.seed}, scheduling {run.scheduling}",
+            f"{options.seed_words(run.seed)}, scheduling {run.scheduling}",
             f"kvconform: capabilities {run.capabilities}",
             f"kvconform: environment {env}"]
 

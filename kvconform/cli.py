@@ -40,10 +40,17 @@ def main() -> None:
 @click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
 @click.option("--scheduling", type=click.Choice(options.SCHEDULINGS), default="both", show_default=True,
               help="Scheduling modes to draw engine configurations from")
+@click.option("--connector", default=None,
+              help="For --adapter vllm-connector: the KV connector, a name vLLM knows or module:Class")
+@click.option("--connector-config", default=None, help="For --adapter vllm-connector: kv_connector_extra_config, JSON")
+@click.option("--connector-manifest", default=None,
+              help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
-                junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str) -> None:
+                junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str,
+                connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
+    options.select_connector(connector, connector_config, connector_manifest)
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
@@ -51,7 +58,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     except options.UsageProblem as problem:
         _usage_error(str(problem))
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
-                  f"seed {seed}, scheduling {scheduling}")
+                  f"{options.seed_words(seed)}, scheduling {scheduling}")
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
@@ -162,7 +169,7 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
         except options.UsageProblem as problem:
             _usage_error(str(problem))
     console = Console(stderr=True)
-    console.print(f"kvconform: the reference and {len(names)} mutant(s), profile {profile}, seed {seed}")
+    console.print(f"kvconform: the reference and {len(names)} mutant(s), profile {profile}, {options.seed_words(seed)}")
     report = kill_all(names, profile, seed, on_kill=lambda kill: console.print(
         f"  {kill.mutant}: {kill.verdict} ({kill.failed_clause or 'no failure'}) in {kill.seconds:.1f}s"))
     table = Table(title=f"kvconform spec {report.spec_version}: mutants, profile {profile}")

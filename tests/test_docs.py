@@ -40,7 +40,7 @@ def chapter(clause: registry.Clause) -> str:
 
 @pytest.mark.parametrize("clause_id", sorted(registry.clauses()))
 def test_clause_is_rendered_in_its_chapter(site: Path, clause_id: str) -> None:
-    """Each clause: anchor = its ID with its level badge, its realising symbols and its checks."""
+    """Each clause: anchor = its ID with its requirement badge, its realising symbols and its checks."""
     clause = registry.clauses()[clause_id]
     html = page(site, chapter(clause))
     assert re.search(rf'<h2 id="{clause_id}">{clause_id} <span class="kv-requirement [^"]+">{clause.requirement}</span>', html)

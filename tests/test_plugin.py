@@ -22,7 +22,7 @@ def test_reference_passes_and_writes_both_reports(pytester: pytest.Pytester, tmp
     result = pytester.runpytest("--kv-adapter=reference", f"--kv-report={report}", f"--kv-junit={junit}",
                                 "--kv-certify")
     result.assert_outcomes(passed=1 + len(vectors()))
-    result.stdout.fnmatch_lines(["kvconform: adapter reference *, profile ci, seed None, scheduling both",
+    result.stdout.fnmatch_lines(["kvconform: adapter reference *, profile ci, the profile's own seed, scheduling both",
                                  f"spec {registry.spec_version()}, adapter reference: * pass, 0 fail, *"])
     written = json.loads(report.read_text())
     assert (written["adapter"], written["outcome"], written["spec_version"]) == ("reference", "ok",

@@ -9,7 +9,10 @@ failures shipped with the adapter.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+from collections.abc import Iterator
 from importlib import resources
 
 import pytest
@@ -19,7 +22,7 @@ from kvconform.adapters.contract import VARIANTS, EngineConfig, RequestSpec
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.vllm import install, runtime
 from kvconform.cli import main
-from kvconform.conformance import baseline, runner, vectors
+from kvconform.conformance import baseline, options, runner, vectors
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Session, replay
 
@@ -86,6 +89,21 @@ def test_install_refuses_another_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(install, "installed_version", lambda dist: "2.14.0")
     with pytest.raises(install.InstallError, match="torch 2.14.0"):
         install.install("0.24.0", run=lambda args: pytest.fail(f"pip was run: {args}"), say=lambda line: None)
+
+
+def test_install_explains_the_expected_pin_conflict_instead_of_showing_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """pip's resolver report on vLLM's own pins (torch among them) is expected: one line says so; other output stays."""
+    stderr = ("ERROR: pip's dependency resolver does not currently take into account all the packages that are "
+              "installed. This behaviour is the source of the following dependency conflicts.\n"
+              "vllm 0.34.0 requires torch==2.14.0, but you have torch 2.13.0 which is incompatible.\n"
+              "WARNING: something else\n")
+    monkeypatch.setattr(install.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(
+        args, 0, stdout="Successfully installed x\n", stderr=stderr))
+    assert install.pip(["install", "x"]) == 0
+    out, err = capsys.readouterr()
+    assert "ERROR" not in err and "incompatible" not in err and "WARNING: something else" in err
+    assert "Successfully installed x" in out and "1 pin(s) of vLLM's that this set-up overrides on purpose" in out
 
 
 def test_adapters_listed_without_importing_vllm() -> None:
@@ -185,3 +203,60 @@ def test_state_machine_verdict(kind: str) -> None:
     else:
         assert result.failed_clause in (None, "CONF-RUN-2"), (result.failed_clause, result.message,
                                                                result.counterexample)
+
+
+# --- vllm-connector: any KVConnectorBase_V1, black box ------------------------------------------
+
+
+@pytest.fixture
+def connector_environment() -> Iterator[None]:
+    """Start without a connector named, and forget whatever the test named: `--connector` sets the environment."""
+    saved = {variable: os.environ.pop(variable, None) for variable in options.CONNECTOR_VARIABLES}
+    yield
+    for variable, value in saved.items():
+        os.environ.pop(variable, None)
+        if value is not None:
+            os.environ[variable] = value
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("arguments, message", [
+    (["--connector", "NoSuchConnector"], "unknown connector 'NoSuchConnector'"),
+    (["--connector", "json:JSONDecoder"], "is not a KVConnectorBase_V1 subclass"),
+    (["--connector", "ExampleConnector", "--connector-config", "{not json"], "KVCONFORM_CONNECTOR_CONFIG is not JSON"),
+    (["--connector", "ExampleConnector", "--connector-manifest", '{"abort": 3}'], "KVCONFORM_CONNECTOR_MANIFEST"),
+    ([], "vllm-connector needs a connector"),
+])
+def test_vllm_connector_bad_input_is_one_line_exit_2(connector_environment: None, arguments: list[str],
+                                                     message: str) -> None:
+    """A connector vLLM cannot build, bad JSON or a bad manifest is a usage error: one line, exit 2."""
+    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--profile", "smoke", *arguments])
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+EXAMPLE_CONNECTOR_FAULTS = [
+    ("KVC-MATCH-1", [RequestSpec(request_id="r0", prompt=(2,)), RequestSpec(request_id="r1", prompt=(2,))]),
+    ("KVC-HIT-1", [RequestSpec(request_id="r0", prompt=(0, 2) * 5, lora_name="lora-x"),
+                   RequestSpec(request_id="r1", prompt=(0, 2) * 5)]),
+]
+"""Programs ExampleConnector fails (vLLM 0.34.0 example_connector.py): a negative answer for a 1-token prompt
+(align_to_block_size(0) < 0), and another tenant's KV offered (its folder key has no cache_salt or LoRA)."""
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("clause, requests", EXAMPLE_CONNECTOR_FAULTS)
+def test_example_connector_fails_the_connector_level(connector_environment: None, clause: str,
+                                                     requests: list[RequestSpec]) -> None:
+    """vLLM's ExampleConnector, judged as a black box, fails these clauses; the reference passes the same programs."""
+    options.select_connector("ExampleConnector")
+    from kvconform.adapters.vllm.connector import VllmConnectorAdapter
+
+    program = [Call("start", (EngineConfig(block_size_factor=1),))]
+    for request in requests:
+        program += [Call("add_request", (request,)), Call("drain")]
+    assert replay(Session(ReferenceAdapter), program).violation is None
+    violation = replay(Session(VllmConnectorAdapter), program).violation
+    assert violation is not None and violation.clause == clause, violation

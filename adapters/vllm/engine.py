@@ -88,14 +88,47 @@ def wrap(obj: Any, name: str, after: Callable[..., None]) -> None:
     setattr(obj, name, recorded)
 
 
+@dataclass
+class AttentionLayer:
+    """The one attention layer as vLLM's forward context lists it: layerwise connectors read its `kv_cache`."""
+
+    kv_cache: torch.Tensor
+
+
+class LayerMetadata:
+    """Per-layer attention metadata: present, so that layerwise connectors act (with None they return at once)."""
+
+
 class MixinGlue:
     """Up to 0.24: the worker-side connector called as `GPUModelRunner.execute_model` and its
-    `KVConnectorModelRunnerMixin` do — preemptions, bind, start loads, forward, wait for save, get finished."""
+    `KVConnectorModelRunnerMixin` do — preemptions, bind, start loads, forward, wait for save, get finished.
+
+    The forward context carries per-layer attention metadata and lists the attention layer with its KV cache, and
+    the forward waits for the layer's load before it writes and saves the layer after, as vLLM's attention layers
+    do (`wait_for_layer_load`, `save_kv_layer`). The layer's KV cache is the block view `[blocks, 1, block_size,
+    token_width]` of the KV tensor: one head holding K and V."""
 
     def __init__(self, rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: dict[str, torch.Tensor]) -> None:
         self.rt, self.vllm_config, self.worker = rt, vllm_config, worker
         self.mixin = rt.load("vllm.v1.worker.kv_connector_model_runner_mixin").KVConnectorModelRunnerMixin
+        self.register_layers(kv_caches)
         worker.register_kv_caches(kv_caches)
+
+    def register_layers(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layers = {name: AttentionLayer(kv.unsqueeze(1)) for name, kv in kv_caches.items()}
+        self.vllm_config.compilation_config.static_forward_context.update(self.layers)
+        self.metadata = {name: LayerMetadata() for name in self.layers}
+
+    def forward_context(self) -> Any:
+        return self.rt.load("vllm.forward_context").set_forward_context(self.metadata, self.vllm_config)
+
+    def layerwise(self, forward: Callable[[], None]) -> None:
+        """Run the forward between each layer's load wait and its save, as an attention layer does."""
+        for name in self.layers:
+            self.worker.wait_for_layer_load(name)
+        forward()
+        for name, layer in self.layers.items():
+            self.worker.save_kv_layer(name, layer.kv_cache, self.metadata[name])
 
     def install(self) -> None:
         """Make this adapter's worker-side connector vLLM's process-wide KV transfer group."""
@@ -107,9 +140,8 @@ class MixinGlue:
 
     def around_forward(self, scheduler_output: Any, forward: Callable[[], None]) -> Any:
         self.worker.handle_preemptions(scheduler_output.kv_connector_metadata)
-        context = self.rt.load("vllm.forward_context").set_forward_context(None, self.vllm_config)
-        with context, self.mixin.maybe_get_kv_connector_output(scheduler_output) as connector_output:
-            forward()
+        with self.forward_context(), self.mixin.maybe_get_kv_connector_output(scheduler_output) as connector_output:
+            self.layerwise(forward)
         return connector_output
 
 
@@ -120,15 +152,16 @@ class ActiveConnectorGlue(MixinGlue):
     def __init__(self, rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: dict[str, torch.Tensor]) -> None:
         self.rt, self.vllm_config, self.worker = rt, vllm_config, worker
         self.install()
+        self.register_layers(kv_caches)
         self.active = rt.load("vllm.v1.worker.gpu.kv_connector").ActiveKVConnector(vllm_config, kv_caches)
 
     def no_forward(self, scheduler_output: Any) -> Any:
         return self.active.no_forward(scheduler_output)
 
     def around_forward(self, scheduler_output: Any, forward: Callable[[], None]) -> Any:
-        with self.rt.load("vllm.forward_context").set_forward_context(None, self.vllm_config):
+        with self.forward_context():
             self.active.pre_forward(scheduler_output)
-            forward()
+            self.layerwise(forward)
         self.active.finish_forward()
         return self.active.post_forward(scheduler_output.finished_req_ids)
 
@@ -162,6 +195,10 @@ class VllmAdapter(KVConnectorAdapter):
     def store_slots(self, config: EngineConfig) -> int:
         """Return the store rows (in offloaded blocks) the transfer engine holds."""
         return config.num_offload_blocks
+
+    def transfer_config(self) -> dict[str, Any]:
+        """Return more `KVTransferConfig` fields (a connector's module path); by default none."""
+        return {}
 
     def worker_built(self, worker: Any) -> None:
         """Adjust the worker-side connector before its KV caches are registered; the default keeps it."""
@@ -214,7 +251,8 @@ class VllmAdapter(KVConnectorAdapter):
                                        config.block_size_factor, config.token_width, config.kv_dtype,
                                        torch.device("cpu"))
         self.transfers = HeldTransfers(self.transfer)
-        self.vllm_config = self.rt.vllm_config(config, self.connector_name, self.extra_config(config))
+        self.vllm_config = self.rt.vllm_config(config, self.connector_name, self.extra_config(config),
+                                               self.transfer_config())
         self.kv_cache_config = self._kv_cache_config(config)
         kv_utils = self.rt.kv_utils
         block_size, hash_block_size = kv_utils.resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
@@ -389,7 +427,9 @@ class VllmAdapter(KVConnectorAdapter):
     # --- recording -----------------------------------------------------------------------------
 
     def _record_match(self, result: tuple[int | None, bool], request: Any, num_computed_tokens: int) -> None:
-        tokens, load_async = result
+        """Record the answer as the scheduler takes it: vLLM 0.34 replaces a request's answer by (0, False) when the
+        request must not read external KV (`skip_reading_external_kv`, scheduler.py), whatever the connector said."""
+        tokens, load_async = (0, False) if getattr(request, "skip_reading_external_kv", False) else result
         self.trace.match_answers.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
                                                     external_tokens=tokens, load_async=load_async))
 

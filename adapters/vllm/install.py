@@ -11,6 +11,7 @@ version specifiers are taken from the installed wheel's own METADATA.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -88,9 +89,24 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
+EXPECTED_CONFLICT = re.compile(r"^ERROR: pip's dependency resolver does not currently take into account"
+                               r"|^vllm(-cpu)? \S+ requires \S+, but you have .* which is incompatible\.$")
+"""pip's report that the installed vLLM pins other versions (a CUDA torch among them): expected, as the scheduler
+side is installed over torch 2.13.0 CPU on purpose."""
+
+
 def pip(arguments: Sequence[str]) -> int:
-    """Run pip of this interpreter; return its exit status."""
-    return subprocess.call([sys.executable, "-m", "pip", *arguments])
+    """Run pip of this interpreter and return its exit status, showing its output but for the expected conflict
+    report, which one line explains."""
+    completed = subprocess.run([sys.executable, "-m", "pip", *arguments], capture_output=True, text=True)
+    sys.stdout.write(completed.stdout)
+    lines = completed.stderr.splitlines(keepends=True)
+    conflicts = [line for line in lines if EXPECTED_CONFLICT.match(line)]
+    sys.stderr.write("".join(line for line in lines if not EXPECTED_CONFLICT.match(line)))
+    if conflicts:
+        print(f"kvconform: pip notes {len(conflicts) - 1} pin(s) of vLLM's that this set-up overrides on purpose "
+              f"(the scheduler side runs on {TORCH} CPU); expected, not an error")
+    return completed.returncode
 
 
 def install(version: str, run: Runner = pip, say: Callable[[str], None] = print) -> None:
@@ -109,6 +125,8 @@ def install(version: str, run: Runner = pip, say: Callable[[str], None] = print)
     extra = requirements(release.dist, release.packages)
     say(f"kvconform: installing the {len(extra)} pure-Python packages vLLM {version} imports")
     _pip(run, ["install", *extra, TORCH])  # torch named again so that no dependency can swap it
+    say(f"kvconform: installed {release.dist} {version} (scheduler side, CPU) over {TORCH}: "
+        f"kvconform run --adapter vllm-offloading uses it")
 
 
 def _pip(run: Runner, arguments: list[str]) -> None:

@@ -66,8 +66,10 @@ class Runtime:
         """Return whether the installed release has module `module` (a feature check across releases)."""
         return importlib.util.find_spec(module) is not None
 
-    def vllm_config(self, config: EngineConfig, connector: str, extra_config: dict[str, Any]) -> Any:
-        """Return a VllmConfig for `config` with the KV connector `connector` (CPU device, prefix caching on)."""
+    def vllm_config(self, config: EngineConfig, connector: str, extra_config: dict[str, Any],
+                    transfer: dict[str, Any] | None = None) -> Any:
+        """Return a VllmConfig for `config` with the KV connector `connector` (CPU device, prefix caching on) and
+        any more `transfer` fields of its KVTransferConfig."""
         cfg = self.config
         vllm_config = cfg.VllmConfig(
             model_config=self.model_config,
@@ -77,7 +79,8 @@ class Runtime:
             ),
             cache_config=cfg.CacheConfig(block_size=config.block_size, enable_prefix_caching=True),
             kv_transfer_config=cfg.KVTransferConfig(kv_connector=connector, kv_role="kv_both",
-                                                    kv_connector_extra_config=extra_config, **LOAD_FAILURES_RECOMPUTED
+                                                    kv_connector_extra_config=extra_config, **(transfer or {}),
+                                                    **LOAD_FAILURES_RECOMPUTED
                                                     if hasattr(cfg.KVTransferConfig, "kv_load_failure_policy") else {}),
             device_config=cfg.DeviceConfig("cpu"),
         )

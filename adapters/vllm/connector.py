@@ -1,0 +1,117 @@
+"""`vllm-connector`: any vLLM `KVConnectorBase_V1`, judged at the connector level with no code of the vendor's.
+
+The connector is named by `KVCONFORM_CONNECTOR` — a name vLLM's `KVConnectorFactory` knows (`ExampleConnector`,
+`OffloadingConnector`, …) or `module:Class` — with its `kv_connector_extra_config` as JSON in
+`KVCONFORM_CONNECTOR_CONFIG`; `kvconform run --connector … --connector-config …` and the pytest plugin's
+`--kv-connector …` set them. Both roles run in this process around a real vLLM scheduler (`engine.VllmAdapter`),
+and the model runner glue calls the connector as vLLM's attention layers do, layer by layer. What the connector
+claims (`KVCONFORM_CONNECTOR_MANIFEST`, a JSON object of `Capabilities` fields) defaults to what any connector
+inside vLLM can be asked: async scheduling, aborts, no failure injection, no connector reset, no preemption from
+outside. Only the connector level's observations are reported: the connector is a black box.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvconform.adapters.contract import Capabilities, EngineConfig
+from kvconform.adapters.registry import AdapterNotFound
+from kvconform.adapters.vllm.engine import VllmAdapter
+
+CONNECTOR = "KVCONFORM_CONNECTOR"
+CONNECTOR_CONFIG = "KVCONFORM_CONNECTOR_CONFIG"
+CONNECTOR_MANIFEST = "KVCONFORM_CONNECTOR_MANIFEST"
+
+DEFAULT_MANIFEST = {"async_scheduling": True, "eviction_policies": ("lru",), "block_size_factors": (1,),
+                    "transfer_failures": False, "reset_connector": False}
+"""What a connector is asked for unless its manifest says more: its store's policy and chunking are its own."""
+
+
+class VllmConnectorAdapter(VllmAdapter):
+    """A real vLLM scheduler with the connector named in the environment, judged as a black box."""
+
+    name = "vllm-connector"
+
+    def __init__(self) -> None:
+        self.connector_spec = os.environ.get(CONNECTOR, "")
+        if not self.connector_spec:
+            raise AdapterNotFound(f"vllm-connector needs a connector: --connector NAME|module:Class (or {CONNECTOR})")
+        self.connector_config = _json_object(CONNECTOR_CONFIG, os.environ.get(CONNECTOR_CONFIG, "{}"))
+        self.manifest = _json_object(CONNECTOR_MANIFEST, os.environ.get(CONNECTOR_MANIFEST, "{}"))
+        super().__init__()
+        module, _, class_name = self.connector_spec.rpartition(":")
+        self.connector_name, self.module_path = class_name, module or None
+        self._check_connector()
+        self.storage = tempfile.TemporaryDirectory(prefix="kvconform-connector-")
+
+    def _check_connector(self) -> None:
+        """Refuse a connector vLLM cannot build: unknown name, unimportable module, not a KVConnectorBase_V1."""
+        factory = self.rt.factory.KVConnectorFactory
+        base = self.rt.connector_base.KVConnectorBase_V1
+        try:
+            if self.module_path is None:
+                if self.connector_name not in factory._registry:
+                    raise AdapterNotFound(f"unknown connector {self.connector_name!r}: vLLM {self.rt.version} knows "
+                                          f"{', '.join(sorted(factory._registry))}, or give module:Class")
+                connector_class = factory._registry[self.connector_name]()
+            else:
+                connector_class = getattr(self.rt.load(self.module_path), self.connector_name)
+        except (ImportError, AttributeError) as error:
+            raise AdapterNotFound(f"cannot load connector {self.connector_spec!r}: {error}") from None
+        if not (isinstance(connector_class, type) and issubclass(connector_class, base)):
+            raise AdapterNotFound(f"{self.connector_spec!r} is not a KVConnectorBase_V1 subclass")
+
+    def capabilities(self) -> Capabilities:
+        shared = {key: value for key, value in self.base_capabilities().items() if key in ("preemption", "abort")}
+        try:
+            return Capabilities(**{**DEFAULT_MANIFEST, **shared, **self.manifest, "levels": ("connector",)})
+        except ValidationError as error:
+            raise AdapterNotFound(f"{CONNECTOR_MANIFEST}: {error.errors()[0]['loc']}: "
+                                  f"{error.errors()[0]['msg']}") from None
+
+    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
+        """The user's extra config; ExampleConnector's store directory, if not given, is fresh for each engine."""
+        directory = tempfile.mkdtemp(dir=self.storage.name)
+        return {"shared_storage_path": directory, **self.connector_config}
+
+    def transfer_config(self) -> dict[str, Any]:
+        return {"kv_connector_module_path": self.module_path} if self.module_path else {}
+
+    def store_slots(self, config: EngineConfig) -> int:
+        return 0  # the connector's store is its own
+
+    def observe_metadata(self, meta: Any) -> None:
+        """The metadata is the connector's own business at this level."""
+
+    def observe_connector(self, observation: dict[str, Any]) -> None:
+        """No offloading-level fields: a black box reports the connector level's only."""
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        """The connector runs its transfers itself; the engine only waits for them in its steps."""
+
+    def store_contents(self) -> Any:
+        raise NotImplementedError("vllm-connector reports the connector level only (Capabilities.levels)")
+
+    def pinned_offload_blocks(self) -> int:
+        return 0
+
+    def jobs_in_flight(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.storage.cleanup()
+
+
+def _json_object(variable: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise AdapterNotFound(f"{variable} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise AdapterNotFound(f"{variable} must be a JSON object, not {type(value).__name__}")
+    return value
