@@ -65,6 +65,25 @@ class ConnectorJudge:
     def preempt(self, request_id: str) -> None:
         self.trace.running.discard(request_id)
 
+    # --- where the requests are, as the adapter's own schedule has it (execution.EngineState) ----------------
+
+    def unfinished(self) -> list[str]:
+        return sorted(self.trace.unfinished)
+
+    def loading(self) -> list[str]:
+        return sorted(self.trace.loading & self.trace.unfinished)
+
+    def running(self) -> list[str]:
+        return sorted(self.trace.running)
+
+    def storing(self) -> list[str]:
+        """Return no request: which requests a connector is still saving is its own business at this level."""
+        return []
+
+    def transfers_pending(self) -> bool:
+        """Return True while a load is in flight or a free is delayed: the transfers this level can see."""
+        return bool(self.trace.loading or self.trace.delayed)
+
     def busy(self) -> bool:
         """Return True while the adapter may still have work for a step: a request, a delayed free, a load, an output."""
         trace = self.trace

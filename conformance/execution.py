@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kvconform.adapters.contract import (
     Capabilities,
@@ -28,6 +28,7 @@ from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Context, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
+from kvconform.reference.engine import Engine
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.request import RequestStatus
 
@@ -165,59 +166,18 @@ class Execution:
             self.call("close")
         self.session.adapter_seconds += self.caller.seconds
 
-    # --- what the engine's state allows: the reference's when stepped alongside, else the adapter's trace ----
+    # --- what the engine's state allows ----------------------------------------------------------
 
     @property
     def requests(self) -> dict[str, RequestSpec]:
         """Return the requests added so far, by id."""
         return self.connector_judge.requests if self.connector_judge is not None else {}
 
-    def unfinished(self) -> list[str]:
-        if self.oracle is None:
-            return sorted(self.connector_judge.trace.unfinished)
-        engine = self.oracle.engine
-        return sorted(request.request_id for request in (*engine.waiting, *engine.running))
-
-    def loading(self) -> list[str]:
-        if self.oracle is None:
-            return sorted(self.connector_judge.trace.loading & self.connector_judge.trace.unfinished)
-        return sorted(request.request_id for request in self.oracle.engine.waiting
-                      if request.status is RequestStatus.WAITING_FOR_LOAD)
-
-    def running(self) -> list[str]:
-        if self.oracle is None:
-            return sorted(self.connector_judge.trace.running)
-        return sorted(request.request_id for request in self.oracle.engine.running)
-
-    def storing(self) -> list[str]:
-        """Return the running requests whose stores are still in flight (known only at the offloading level)."""
-        if self.oracle is None:
-            return []
-        connector = self.oracle.engine.connector
-        return [request_id for request_id in self.running() if any(
-            connector.jobs[job].is_store for job in connector.states[request_id].transfer_jobs)]
-
-    def transfers_pending(self) -> bool:
-        """Return True while a transfer may be in flight: a job of the reference's, or a load or delayed free."""
-        if self.oracle is None:
-            return bool(self.connector_judge.trace.loading or self.connector_judge.trace.delayed)
-        return bool(self.oracle.engine.in_flight_job_count())
-
-    def resident(self) -> list[str]:
-        """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""
-        if self.oracle is None:
-            return self.connector_judge.resident()
-        engine = self.oracle.engine
-        loaded = [request_id for request_id, success in engine.loads_done.items()
-                  if success and not engine.requests[request_id].is_finished]
-        return sorted({*self.running(), *loaded})
-
-    def busy(self) -> bool:
-        """Return True while the engine still has work for a step (SCHED-STEP-1) or a batch in flight."""
-        if self.oracle is None:
-            return self.connector_judge.busy()
-        engine = self.oracle.engine
-        return engine.has_work() or engine.in_flight is not None
+    @property
+    def state(self) -> EngineState:
+        """Return where the engine's requests are: the reference's view when it is stepped alongside (the offloading
+        level), else the adapter's own trace as the connector level follows it."""
+        return ReferenceState(self.oracle.engine) if self.oracle is not None else self.connector_judge
 
     def allows(self, call: Call) -> bool:
         """Return True if the engine's state lets `call` run: its request exists and is in the right state."""
@@ -228,9 +188,9 @@ class Execution:
         if call.operation == "add_request":
             return call.args[0].request_id not in self.requests
         if call.operation == "abort":
-            return self.capabilities.abort and call.args[0] in self.unfinished()
+            return self.capabilities.abort and call.args[0] in self.state.unfinished()
         if call.operation == "preempt":
-            return self.capabilities.preemption and call.args[0] in self.running()
+            return self.capabilities.preemption and call.args[0] in self.state.running()
         return True
 
     # --- applying calls ------------------------------------------------------------------------
@@ -297,7 +257,7 @@ class Execution:
     def _drain(self) -> None:
         """Complete every transfer and step until the engine is idle, then check for leaks and liveness."""
         steps = 0
-        while steps < DRAIN_STEP_LIMIT and self.busy():
+        while steps < DRAIN_STEP_LIMIT and self.state.busy():
             self._complete_transfers(False, False)
             self._step()
             steps += 1
@@ -346,14 +306,63 @@ class Execution:
         """Read the KV of every request that must hold its computed tokens' KV now, and judge its bytes at each level:
         stepped alongside the reference, against the reference's count of computed tokens (XFER-DATA-1), and against
         the adapter's own (KVC-DATA-1)."""
-        for_reference = set(self.resident()) if self.oracle is not None else set()
-        for request_id in sorted(for_reference | set(self.connector_judge.resident())):
+        for_reference = set(self.state.resident()) if self.oracle is not None else set()
+        for_connector = set(self.connector_judge.resident())
+        for request_id in sorted(for_reference | for_connector):
             call = f"adapter.computed_kv({request_id!r})"
             kv = self.call("computed_kv", request_id)
             if request_id in for_reference:
                 self.judge(call, "data", request_id, kv)
-            if request_id in self.connector_judge.resident():
+            if request_id in for_connector:
                 self.judge(call, "connector-data", request_id, kv)
+
+
+class EngineState(Protocol):
+    """Where the engine's requests are, as the state machine's preconditions and the drain need it."""
+
+    def unfinished(self) -> list[str]: ...
+    def loading(self) -> list[str]: ...
+    def running(self) -> list[str]: ...
+    def storing(self) -> list[str]: ...
+    def transfers_pending(self) -> bool: ...
+    def resident(self) -> list[str]: ...
+    def busy(self) -> bool: ...
+
+
+@dataclass
+class ReferenceState:
+    """The engine's state as the reference engine stepped alongside the adapter has it (the offloading level)."""
+
+    engine: Engine
+
+    def unfinished(self) -> list[str]:
+        return sorted(request.request_id for request in (*self.engine.waiting, *self.engine.running))
+
+    def loading(self) -> list[str]:
+        return sorted(request.request_id for request in self.engine.waiting
+                      if request.status is RequestStatus.WAITING_FOR_LOAD)
+
+    def running(self) -> list[str]:
+        return sorted(request.request_id for request in self.engine.running)
+
+    def storing(self) -> list[str]:
+        """Return the running requests whose stores are still in flight."""
+        connector = self.engine.connector
+        return [request_id for request_id in self.running() if any(
+            connector.jobs[job].is_store for job in connector.states[request_id].transfer_jobs)]
+
+    def transfers_pending(self) -> bool:
+        return bool(self.engine.in_flight_job_count())
+
+    def resident(self) -> list[str]:
+        """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""
+        loaded = [request_id for request_id, success in self.engine.loads_done.items()
+                  if success and not self.engine.requests[request_id].is_finished]
+        return sorted({*self.running(), *loaded})
+
+    def busy(self) -> bool:
+        """Return True while the engine still has work for a step (SCHED-STEP-1) or a batch in flight."""
+        return self.engine.has_work() or self.engine.in_flight is not None
 
 
 @dataclass

@@ -138,12 +138,12 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         capabilities = self.run.begin()
         self.apply("start", data.draw(engine_configs(capabilities, self.session.scheduling), label="config"))
 
-    @precondition(lambda self: len(self.run.unfinished()) < MAX_LIVE_REQUESTS)
+    @precondition(lambda self: len(self.run.state.unfinished()) < MAX_LIVE_REQUESTS)
     @rule(data=st.data())
     def add_request(self, data: st.DataObject) -> None:
         self.apply("add_request", data.draw(new_requests(f"r{len(self.run.requests)}"), label="request"))
 
-    @precondition(lambda self: self.run.requests and len(self.run.unfinished()) < MAX_LIVE_REQUESTS)
+    @precondition(lambda self: self.run.requests and len(self.run.state.unfinished()) < MAX_LIVE_REQUESTS)
     @rule(data=st.data(), count=BURSTS)
     def repeat_request(self, data: st.DataObject, count: int) -> None:
         """Add a burst of requests repeating one earlier prompt, as users sharing a system prompt do.
@@ -154,7 +154,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         """
         earlier = list(self.run.requests.values())
         before = earlier[data.draw(st.integers(0, len(earlier) - 1), label="earlier_request")]
-        for _ in range(min(count, MAX_LIVE_REQUESTS - len(self.run.unfinished()))):
+        for _ in range(min(count, MAX_LIVE_REQUESTS - len(self.run.state.unfinished()))):
             request_id = f"r{len(self.run.requests)}"
             self.apply("add_request", data.draw(repeated_requests(request_id, before), label="request"))
 
@@ -170,7 +170,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         self.apply("reset_prefix_cache", False)
         self.repeat_request(data, count)
 
-    @precondition(lambda self: self.run.busy())
+    @precondition(lambda self: self.run.state.busy())
     @rule(count=STEP_COUNTS, transfers_done=st.booleans())
     def step(self, count: int, transfers_done: bool) -> None:
         """Step both engines `count` times; with `transfers_done`, every in-flight transfer succeeds before each step."""
@@ -179,45 +179,45 @@ class ConnectorStateMachine(RuleBasedStateMachine):
                 self.apply("complete_transfers", False, False)
             self.apply("step")
 
-    @precondition(lambda self: self.run.transfers_pending())
+    @precondition(lambda self: self.run.state.transfers_pending())
     @rule(fail_loads=SOMETIMES, fail_stores=SOMETIMES)
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         failures = self.run.capabilities.transfer_failures
         self.apply("complete_transfers", fail_loads and failures, fail_stores and failures)
 
-    @precondition(lambda self: self.run.capabilities.transfer_failures and self.run.loading())
+    @precondition(lambda self: self.run.capabilities.transfer_failures and self.run.state.loading())
     @rule()
     def fail_loads(self) -> None:
         """Fail every load in flight: a rule of its own, as the window is short (LIFE-LOAD-3, KVC-FAIL-1)."""
         self.apply("complete_transfers", True, False)
 
-    @precondition(lambda self: self.run.capabilities.abort and self.run.unfinished())
+    @precondition(lambda self: self.run.capabilities.abort and self.run.state.unfinished())
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        self.apply("abort", data.draw(st.sampled_from(self.run.unfinished()), label="request_id"))
+        self.apply("abort", data.draw(st.sampled_from(self.run.state.unfinished()), label="request_id"))
 
-    @precondition(lambda self: self.run.capabilities.abort and self.run.loading())
+    @precondition(lambda self: self.run.capabilities.abort and self.run.state.loading())
     @rule(data=st.data())
     def abort_during_load(self, data: st.DataObject) -> None:
         """Abort a request whose load is in flight: a rule of its own, as the window is short."""
-        self.apply("abort", data.draw(st.sampled_from(self.run.loading()), label="request_id"))
+        self.apply("abort", data.draw(st.sampled_from(self.run.state.loading()), label="request_id"))
 
-    @precondition(lambda self: self.run.capabilities.preemption and self.run.running())
+    @precondition(lambda self: self.run.capabilities.preemption and self.run.state.running())
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
-        self.apply("preempt", data.draw(st.sampled_from(self.run.running()), label="request_id"))
+        self.apply("preempt", data.draw(st.sampled_from(self.run.state.running()), label="request_id"))
 
-    @precondition(lambda self: self.run.capabilities.preemption and self.run.storing())
+    @precondition(lambda self: self.run.capabilities.preemption and self.run.state.storing())
     @rule(data=st.data())
     def preempt_while_storing(self, data: st.DataObject) -> None:
         """Preempt a request whose stores are in flight: a rule of its own, as the window is short (LIFE-FREE-2)."""
-        self.apply("preempt", data.draw(st.sampled_from(self.run.storing()), label="request_id"))
+        self.apply("preempt", data.draw(st.sampled_from(self.run.state.storing()), label="request_id"))
 
     @rule(reset_connector=SOMETIMES)
     def reset_prefix_cache(self, reset_connector: bool) -> None:
         self.apply("reset_prefix_cache", reset_connector and self.run.capabilities.reset_connector)
 
-    @precondition(lambda self: self.run.busy())
+    @precondition(lambda self: self.run.state.busy())
     @rule()
     def drain(self) -> None:
         self.apply("drain")
