@@ -90,9 +90,9 @@ def installed_version(dist: str) -> str | None:
 
 
 EXPECTED_CONFLICT = re.compile(r"^ERROR: pip's dependency resolver does not currently take into account"
-                               r"|^vllm(-cpu)? \S+ requires \S+, but you have .* which is incompatible\.$")
-"""pip's report that the installed vLLM pins other versions (a CUDA torch among them): expected, as the scheduler
-side is installed over torch 2.13.0 CPU on purpose."""
+                               r"|^vllm(-cpu)? \S+ requires .*(, which is not installed| which is incompatible)\.$")
+"""pip's report that the installed vLLM pins other versions (a CUDA torch among them) or wants packages its scheduler
+side never imports: expected, as only that side is installed, over torch 2.13.0 CPU, on purpose."""
 
 
 def pip(arguments: Sequence[str]) -> int:
@@ -104,8 +104,8 @@ def pip(arguments: Sequence[str]) -> int:
     conflicts = [line for line in lines if EXPECTED_CONFLICT.match(line)]
     sys.stderr.write("".join(line for line in lines if not EXPECTED_CONFLICT.match(line)))
     if conflicts:
-        print(f"kvconform: pip notes {len(conflicts) - 1} pin(s) of vLLM's that this set-up overrides on purpose "
-              f"(the scheduler side runs on {TORCH} CPU); expected, not an error")
+        print(f"kvconform: pip notes {len(conflicts) - 1} requirement(s) of vLLM's that this set-up leaves out or "
+              f"overrides on purpose (its scheduler side runs on {TORCH} CPU); expected, not an error")
     return completed.returncode
 
 
@@ -125,8 +125,6 @@ def install(version: str, run: Runner = pip, say: Callable[[str], None] = print)
     extra = requirements(release.dist, release.packages)
     say(f"kvconform: installing the {len(extra)} pure-Python packages vLLM {version} imports")
     _pip(run, ["install", *extra, TORCH])  # torch named again so that no dependency can swap it
-    say(f"kvconform: installed {release.dist} {version} (scheduler side, CPU) over {TORCH}: "
-        f"kvconform run --adapter vllm-offloading uses it")
 
 
 def _pip(run: Runner, arguments: list[str]) -> None:
