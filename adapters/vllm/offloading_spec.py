@@ -82,10 +82,14 @@ if hasattr(base, "OffloadingWorker"):  # 0.32+
             self.base_pointer = gpu_blocks.data_ptr()
             self.block_bytes = gpu_blocks.stride(0) * gpu_blocks.element_size()
 
-        def block_ids(self, pointers: Any) -> tuple[int, ...]:
-            (count,) = pointers.group_data_ref_counts
+        def block_ids(self, gpu: Any) -> tuple[int, ...]:
+            """The GPU block ids of a job: 0.32 names them (a GPULoadStoreSpec), 0.34+ gives device pointers."""
+            if isinstance(gpu, base.GPULoadStoreSpec):
+                assert len(gpu.group_sizes) == 1, "one KV cache group only"
+                return tuple(int(b) for b in gpu.block_ids)
+            (count,) = gpu.group_data_ref_counts
             assert count == 1, "one KV layer only"
-            return tuple((int(p) - self.base_pointer) // self.block_bytes for p in pointers.ptrs)
+            return tuple((int(p) - self.base_pointer) // self.block_bytes for p in gpu.ptrs)
 
         def submit_store(self, job_id: int, device_ptrs: Any, dst_spec: Any) -> bool:
             self.transfers.submit(job_id, copy_of(device_ptrs, dst_spec, self.factor, True, self.block_ids(device_ptrs)))
