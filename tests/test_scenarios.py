@@ -55,3 +55,20 @@ def test_a_scenario_needing_a_level_the_adapter_lacks_is_refused():
 def test_expectations_on_unknown_fields_are_refused():
     with pytest.raises(ValueError, match="unknown observation fields"):
         Scenario(CONFIG).add("r", BLOCK).step(storez=[]).vector()
+
+
+def test_kvconform_replay_checks_a_scenario_file_and_prints_the_diff(tmp_path):
+    from click.testing import CliRunner
+
+    from kvconform.cli import main
+
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(skip_read_scenario(stored_after_skip=[]).vector().to_json()))
+    wrong = [{"request_id": "skip", "offload_indices": [0], "evicted": []}]
+    bad.write_text(json.dumps(skip_read_scenario(stored_after_skip=wrong).vector().to_json()))
+    passed = CliRunner().invoke(main, ["replay", str(good), "--adapter", "reference"])
+    assert passed.exit_code == 0, passed.output
+    assert "every expectation met" in passed.output
+    failed = CliRunner().invoke(main, ["replay", str(bad), "--adapter", "reference"])
+    assert failed.exit_code == 1, failed.output
+    assert "OFF-READ-3" in failed.output and "+ observed []" in failed.output
