@@ -13,7 +13,9 @@ import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvconform.adapters.contract import VARIANTS, EngineConfig, KVConnectorAdapter, RequestSpec, SpecLevel, \
     StepObservation
@@ -34,6 +36,35 @@ class Vector:
                 "config": self.config.model_dump(mode="json", exclude_unset=True), "ops": list(self.ops)}
 
 
+class ScenarioOp(BaseModel):
+    """One operation of a scenario file: an adapter call, and for a step what it must observe."""
+
+    model_config = ConfigDict(extra="forbid")
+    op: Literal["add_request", "step", "complete_transfers", "abort", "preempt", "reset_prefix_cache"]
+    args: dict[str, Any] = Field(default_factory=dict, description="the call's keyword arguments")
+    expect: dict[str, Any] = Field(default_factory=dict, description="of a step: StepObservation fields, "
+                                                                     "as JSON, that must match exactly")
+    clauses: dict[str, str] = Field(default_factory=dict, description="the clause each expected field enforces")
+
+    @model_validator(mode="after")
+    def _known_fields(self) -> ScenarioOp:
+        unknown = set(self.expect) - StepObservation.model_fields.keys()
+        if unknown:
+            raise ValueError(f"expectations on unknown observation fields: {sorted(unknown)}")
+        return self
+
+
+class ScenarioFile(BaseModel):
+    """A scenario (trace vector) file, as `kvconform replay FILE` reads it (issue 14)."""
+
+    model_config = ConfigDict(extra="forbid")
+    description: str = ""
+    level: SpecLevel = Field("offloading", description="the spec level the scenario needs")
+    clause: str = Field("SCENARIO", description="the clause it illustrates: reported for expectations without one")
+    config: EngineConfig
+    ops: list[ScenarioOp]
+
+
 class UnsupportedLevel(Exception):
     """The adapter does not report the spec level the scenario needs."""
 
@@ -49,15 +80,15 @@ def load_file(path: Path) -> Vector:
 
 
 def from_json(name: str, data: dict[str, Any]) -> Vector:
-    """Return the vector `data` describes; raise ValueError on a malformed one."""
-    level = data.get("level", "offloading")
-    if level not in get_args(SpecLevel):
-        raise ValueError(f"level must be one of {get_args(SpecLevel)}, not {level!r}")
-    unknown = {f for op in data["ops"] for f in op.get("expect", {})} - StepObservation.model_fields.keys()
-    if unknown:
-        raise ValueError(f"expectations on unknown observation fields: {sorted(unknown)}")
-    return Vector(name, data.get("description", ""), EngineConfig(**data["config"]), tuple(data["ops"]), level,
-                  data.get("clause", "SCENARIO"))
+    """Return the vector `data` describes; raise ValueError, one line, on a malformed one."""
+    try:
+        scenario = ScenarioFile.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise ValueError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    ops = tuple(op.model_dump(exclude_defaults=True) for op in scenario.ops)
+    config = EngineConfig(**data["config"])  # its set fields tell `replay` which variants the scenario leaves open
+    return Vector(name, scenario.description, config, ops, scenario.level, scenario.clause)
 
 
 def bundled() -> list[str]:
