@@ -192,6 +192,10 @@ class Scenario:
         self.ops.append({"op": "abort", "args": {"request_id": request_id}})
         return self
 
+    def preempt(self, request_id: str) -> Scenario:
+        self.ops.append({"op": "preempt", "args": {"request_id": request_id}})
+        return self
+
     def vector(self, name: str = "scenario") -> Vector:
         return from_json(name, {"description": self.description, "level": self.level, "clause": self.clause,
                                 "config": self.config.model_dump(mode="json", exclude_unset=True), "ops": self.ops})

@@ -72,3 +72,23 @@ def test_kvconform_replay_checks_a_scenario_file_and_prints_the_diff(tmp_path):
     failed = CliRunner().invoke(main, ["replay", str(bad), "--adapter", "reference"])
     assert failed.exit_code == 1, failed.output
     assert "OFF-READ-3" in failed.output and "+ observed []" in failed.output
+
+
+def preemption_flushes_stores_in_flight() -> Scenario:
+    """LIFE-FREE-2: a request preempted while its store is in flight has that store flushed in the next step."""
+    return (Scenario(CONFIG, clause="LIFE-FREE-2")
+            .add("a", [1] * 12, max_tokens=4).step(stored=[])
+            .preempt("a").step(flushed=[("a", (0,))]))
+
+
+def test_preemption_scenario_passes_on_the_reference():
+    preemption_flushes_stores_in_flight().run(ReferenceAdapter())
+
+
+def test_preemption_scenario_fails_on_the_mutant_that_skips_the_flush():
+    from kvconform.conformance.mutants import MUTANTS
+
+    with pytest.raises(ClauseViolation) as raised:
+        preemption_flushes_stores_in_flight().run(MUTANTS["stores-not-flushed-on-preemption"].adapter())
+    assert raised.value.clause == "LIFE-FREE-2"
+    assert "flushed_stores:" in raised.value.detail and "+ observed []" in raised.value.detail
