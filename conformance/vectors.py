@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvconform.adapters.contract import VARIANTS, EngineConfig, KVConnectorAdapter, RequestSpec, SpecLevel, \
-    StepObservation
+from kvconform.adapters.contract import (VARIANTS, Capabilities, EngineConfig, KVConnectorAdapter, RequestSpec,
+                                        SpecLevel, StepObservation)
 from kvconform.conformance.checks import ClauseViolation
 
 
@@ -65,8 +65,21 @@ class ScenarioFile(BaseModel):
     ops: list[ScenarioOp]
 
 
-class UnsupportedLevel(Exception):
-    """The adapter does not report the spec level the scenario needs."""
+class Unsupported(Exception):
+    """The adapter lacks what the scenario needs: its spec level, or an operation its capabilities rule out."""
+
+
+def _unsupported_op(op: dict[str, Any], capabilities: Capabilities) -> str | None:
+    """Return why the adapter cannot run `op`, or None if it can."""
+    args = op.get("args", {})
+    if op["op"] == "preempt" and not capabilities.preemption:
+        return "preempt(), and the adapter reports preemption=False"
+    if op["op"] == "complete_transfers" and (args.get("fail_loads") or args.get("fail_stores")) \
+            and not capabilities.transfer_failures:
+        return "failed transfers, and the adapter reports transfer_failures=False"
+    if op["op"] == "reset_prefix_cache" and args.get("reset_connector") and not capabilities.reset_connector:
+        return "reset_prefix_cache(reset_connector=True), and the adapter reports reset_connector=False"
+    return None
 
 
 def load(name: str) -> Vector:
@@ -101,7 +114,10 @@ def replay(vector: Vector, adapter: KVConnectorAdapter) -> None:
     """Run the vector's operations on `adapter`; raise `ClauseViolation` at the first unmet expectation."""
     capabilities = adapter.capabilities()
     if vector.level not in capabilities.levels:
-        raise UnsupportedLevel(f"{vector.name} needs the {vector.level} level; the adapter reports {capabilities.levels}")
+        raise Unsupported(f"{vector.name} needs the {vector.level} level; the adapter reports {capabilities.levels}")
+    for op in vector.ops:
+        if (reason := _unsupported_op(op, capabilities)) is not None:
+            raise Unsupported(f"{vector.name} needs {reason}")
     unset = [name for name in VARIANTS if name not in vector.config.model_fields_set]  # expectations hold for each
     adapter.start(vector.config.model_copy(update={name: getattr(capabilities, name)[0] for name in unset}))
     try:

@@ -153,7 +153,7 @@ def _replay_scenario(path: Path, data: dict, adapter_spec: str, call_timeout: fl
     stdout = _stdout()
     try:
         vectors.replay(vector, run.factory())
-    except vectors.UnsupportedLevel as error:
+    except vectors.Unsupported as error:
         _usage_error(str(error))
     except ClauseViolation as violation:
         stdout.print("[bold red]NOT conformant[/]:", end=" ")

@@ -48,7 +48,7 @@ def test_a_scenario_needing_a_level_the_adapter_lacks_is_refused():
         def capabilities(self):
             return super().capabilities().model_copy(update={"levels": ("connector",)})
 
-    with pytest.raises(vectors.UnsupportedLevel):
+    with pytest.raises(vectors.Unsupported):
         Scenario(CONFIG, level="offloading").add("r", BLOCK).step().run(ConnectorOnly())
 
 
@@ -92,3 +92,12 @@ def test_preemption_scenario_fails_on_the_mutant_that_skips_the_flush():
         preemption_flushes_stores_in_flight().run(MUTANTS["stores-not-flushed-on-preemption"].adapter())
     assert raised.value.clause == "LIFE-FREE-2"
     assert "flushed_stores:" in raised.value.detail and "+ observed []" in raised.value.detail
+
+
+def test_a_scenario_using_an_operation_the_adapter_rules_out_is_refused():
+    class NoPreemption(ReferenceAdapter):
+        def capabilities(self):
+            return super().capabilities().model_copy(update={"preemption": False})
+
+    with pytest.raises(vectors.Unsupported, match="preemption=False"):
+        preemption_flushes_stores_in_flight().run(NoPreemption())
