@@ -113,6 +113,15 @@ class StepObservation(_Frozen):
     freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
     forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")
     store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
+    # The offloading level: the manager calls of the step, as vLLM's OffloadingManager receives them.
+    completed_loads: tuple[LoadJob, ...] = Field((), description="load jobs whose completion was processed in this "
+                                                               "step (complete_load, OFF-MGR-3)")
+    completed_stores: tuple[StoreJob, ...] = Field((), description="store jobs whose completion was processed in "
+                                                                 "this step, successful or not (complete_store)")
+    flushed_stores: tuple[StoreJob, ...] = Field((), description="store jobs flushed (waited for) in this step "
+                                                               "(LIFE-FREE-2, OFF-MGR-8)")
+    touches: tuple[BlockRef, ...] = Field((), description="blocks touched in the store in this step, in order, "
+                                                          "named by the touching request (OFF-LRU-1)")
     # The connector level (chapter `connector-level`): what crosses vLLM's public connector API, per request.
     loads_finished: tuple[str, ...] = Field((), description="requests whose asynchronous load the connector reported "
                                                             "finished in this step (get_finished's receiving ids)")

@@ -69,6 +69,13 @@ class ReferenceAdapter(KVConnectorAdapter):
             stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
                          for r, i in trace.stores),
             evicted=tuple(map(self.block_ref, trace.evicted)),
+            completed_loads=tuple(LoadJob.model_construct(request_id=r, offload_indices=tuple(i), first_gpu_block=first,
+                                                          num_gpu_blocks=n) for r, i, first, n in trace.completed_loads),
+            completed_stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
+                                   for r, i in trace.completed_stores),
+            flushed_stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
+                                 for r, i in trace.flushed_stores),
+            touches=tuple(BlockRef.model_construct(request_id=r, index=i) for r, i in trace.touches),
             finished=tuple(result.finished),
             freed=tuple(result.freed),
             forward_writes=frozenset(result.forward_writes),

@@ -122,11 +122,14 @@ def _usage_error(message: str) -> None:
 @click.option("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT, show_default=True,
               help="Seconds one adapter call may take before its outcome is reported unknown")
 def replay_command(path: Path, adapter_spec: str, call_timeout: float) -> None:
-    """Run a counterexample again: the program of a JSON report (or a JSON list of operations) on an adapter."""
+    """Run a counterexample again (the program of a JSON report, or a JSON list of operations), or a scenario
+    (a JSON object with `ops`), checking its expectations, on an adapter."""
     from kvconform.conformance.execution import Call, ProgramError, Session, render, replay
 
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and "ops" in data:
+            _replay_scenario(path, data, adapter_spec, call_timeout)
         operations = data.get("program") if isinstance(data, dict) else data
         if not isinstance(operations, list):
             raise ProgramError("expected a report with a 'program' or a list of operations")
@@ -144,6 +147,32 @@ def replay_command(path: Path, adapter_spec: str, call_timeout: float) -> None:
         sys.exit(EXIT_CONFORMANT)
     stdout.print(f"[bold red]NOT conformant[/]: {replayed.violation.clause}: {replayed.violation.detail}")
     sys.exit(EXIT_NONCONFORMANT)
+
+
+def _replay_scenario(path: Path, data: dict, adapter_spec: str, call_timeout: float) -> None:
+    """Run a scenario file on the adapter; print the per-step diff of its first unmet expectation (issue 14)."""
+    from kvconform.conformance import vectors
+    from kvconform.conformance.checks import ClauseViolation
+
+    try:
+        vector = vectors.from_json(path.stem, data)
+        run = options.prepare(adapter_spec, call_timeout=call_timeout)
+    except (KeyError, TypeError, ValueError) as error:
+        _usage_error(f"cannot replay scenario {path}: {error}")
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    stdout = _stdout()
+    try:
+        vectors.replay(vector, run.factory())
+    except vectors.Unsupported as error:
+        _usage_error(str(error))
+    except ClauseViolation as violation:
+        stdout.print("[bold red]NOT conformant[/]:", end=" ")
+        stdout.print(f"{violation.clause}: {violation.detail}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(EXIT_NONCONFORMANT)
+    steps = sum(op["op"] == "step" for op in vector.ops)
+    stdout.print(f"[green]passes[/] on {adapter_spec}: scenario {vector.name}, {steps} steps, every expectation met")
+    sys.exit(EXIT_CONFORMANT)
 
 
 @main.command("mutants")

@@ -32,6 +32,7 @@ class TransferJob:
     offload_indices: list[int]
     gpu_blocks: list[int]
     rows: list[int]
+    first_gpu_block: int = 0  # of a load: the request's logical GPU block its first row goes to
 
 
 @dataclass
@@ -120,6 +121,11 @@ class OffloadConnectorScheduler:
         state.transfer_jobs.add(job.job_id)
         return job
 
+    def _touch(self, request: Request, keys: list[OffloadKey]) -> None:
+        """Touch a request's blocks in the store, recording them as the step's touches (OFF-LRU-1)."""
+        self.manager.touch(keys)
+        self.recorder.touches.extend((request.request_id, index) for index in range(len(keys)))
+
     # --- the six scheduler-side calls ----------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
@@ -139,7 +145,7 @@ class OffloadConnectorScheduler:
             num_hit_tokens: int | None = 0
         else:
             num_hit_tokens = self._lookup(state)
-        self.manager.touch(self.offload_keys(request))
+        self._touch(request, self.offload_keys(request))
         return num_hit_tokens, bool(num_hit_tokens)
 
     def _lookup(self, state: RequestOffloadState) -> int | None:
@@ -188,6 +194,7 @@ class OffloadConnectorScheduler:
         keys = [self.offload_keys(request)[index] for index in indices]
         rows = self.load_rows(dict(zip(indices, self.manager.prepare_load(keys))), first_gpu, num_gpu)
         job = self._new_job(state, False, indices, keys, list(block_ids[first_gpu:num_gpu]), rows)
+        job.first_gpu_block = first_gpu
         state.next_stored_index = cdiv(num_cached, self.offloaded_block_size)  # OFF-STORE-1: the hit is stored
         self.pending_loads.append(job)
         self.keys_being_loaded.update(keys)
@@ -211,6 +218,8 @@ class OffloadConnectorScheduler:
         for block_id in reused & self.store_jobs_by_gpu_block.keys():  # LIFE-FREE-2
             flush |= self.store_jobs_by_gpu_block[block_id]
         meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output, reused, flush), flush)
+        self.recorder.flushed_stores.extend((job.request_id, job.offload_indices) for job_id in sorted(flush)
+                                            if (job := self.jobs.get(job_id)) is not None and job.is_store)
         self.pending_loads, self.pending_flushes = [], set()
         for request_id in output.finished_request_ids:
             state = self.states.get(request_id)
@@ -263,7 +272,7 @@ class OffloadConnectorScheduler:
             self.recorder.evicted.extend(prepared.evicted)
             if not prepared.keys_to_store:
                 continue
-            self.manager.touch(all_keys)
+            self._touch(request, all_keys)
             job = self._store_job(state, block_ids, indices, offered, prepared.keys_to_store, prepared.slots)
             if state.finished:  # its blocks are free already: flush the store before they are overwritten
                 for block_id in job.gpu_blocks:
@@ -303,8 +312,11 @@ class OffloadConnectorScheduler:
             if job_id >= self.stale_job_threshold:
                 if job.is_store:
                     self.manager.complete_store(job.keys, success)
+                    self.recorder.completed_stores.append((job.request_id, job.offload_indices))
                 else:
                     self.manager.complete_load(job.keys)
+                    self.recorder.completed_loads.append((job.request_id, job.offload_indices, job.first_gpu_block,
+                                                          len(job.gpu_blocks)))
                     self.keys_being_loaded.difference_update(job.keys)
             for block_id in job.gpu_blocks:
                 self._forget_store_reader(block_id, job_id)

@@ -18,6 +18,10 @@ class StepRecorder:
     offer_evictions: list[list[OffloadKey]] = field(default_factory=list)
     stores: list[tuple[str, list[int]]] = field(default_factory=list)
     evicted: list[OffloadKey] = field(default_factory=list)
+    completed_loads: list[tuple[str, list[int], int, int]] = field(default_factory=list)
+    completed_stores: list[tuple[str, list[int]]] = field(default_factory=list)
+    flushed_stores: list[tuple[str, list[int]]] = field(default_factory=list)
+    touches: list[tuple[str, int]] = field(default_factory=list)
 
     def take(self) -> StepRecorder:
         taken = StepRecorder(**vars(self))

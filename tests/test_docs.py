@@ -77,6 +77,15 @@ def test_report_schema_is_published(site: Path) -> None:
     assert "report.schema.json" in html and "known_failures" in html and "checked_at_run_time" in html
 
 
+def test_scenario_schema_is_published(site: Path) -> None:
+    """The scenarios page shows the scenario file schema and the site serves it as scenario.schema.json."""
+    from kvconform.conformance.vectors import ScenarioFile
+
+    published = json.loads((site / "scenario.schema.json").read_text())
+    assert {k: v for k, v in published.items() if k != "$schema"} == ScenarioFile.model_json_schema()
+    assert "scenario.schema.json" in page(site, "scenarios")
+
+
 def test_adapter_pages_are_in_the_nav(site: Path) -> None:
     """Every page in docs/adapters/ is built and listed in the navigation, the reference with its capabilities."""
     home = page(site, "")

@@ -145,7 +145,7 @@ def test_offloading_seed_vector(name: str) -> None:
     if SEED_BUG_FIXED["offloading"]:
         vectors.replay(vectors.load(name), adapter)
     else:
-        with pytest.raises(ClauseViolation, match=r"\[OFF-READ-1\].*lookups"):
+        with pytest.raises(ClauseViolation, match=r"(?s)\[OFF-READ-1\].*lookups"):
             vectors.replay(vectors.load(name), adapter)
 
 

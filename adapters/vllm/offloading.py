@@ -104,6 +104,8 @@ class VllmOffloadingAdapter(VllmAdapter):
         self.manager: Any = None
         self.pins: dict[bytes, int] = {}
         self.origin: dict[bytes, BlockRef] = {}
+        self.jobs_in_flight_by_keys: dict[tuple[bytes, ...], LoadJob | StoreJob] = {}
+        self.store_jobs_by_id: dict[int, tuple[tuple[bytes, ...], StoreJob]] = {}
         self.request_keys: dict[str, list[bytes]] = {}
         self.step_record = _StepRecord()
         super().start(config)
@@ -124,6 +126,7 @@ class VllmOffloadingAdapter(VllmAdapter):
         wrap(manager, "prepare_load", self._record_prepare_load)
         wrap(manager, "complete_load", self._record_complete_load)
         wrap(manager, "prepare_store", self._record_prepare_store)
+        wrap(manager, "complete_store", self._record_complete_store)
         wrap(manager, "reset_cache", lambda result: self.pins.clear())
 
     # --- offload keys ------------------------------------------------------------------------------
@@ -161,6 +164,12 @@ class VllmOffloadingAdapter(VllmAdapter):
     def _record_complete_load(self, result: Any, keys: Any, context: Any) -> None:
         for key in keys:
             self.pins[key] -= 1
+        self.step_record.completed_loads.append(self.jobs_in_flight_by_keys.pop(tuple(keys)))
+
+    def _record_complete_store(self, result: Any, keys: Any, *args: Any, **kwargs: Any) -> None:
+        """Record a store job's completion, found by its keys: its request is not an argument up to 0.24."""
+        self.step_record.completed_stores.append(self.jobs_in_flight_by_keys.pop(tuple(keys)))
+        self.store_jobs_by_id = {job_id: job for job_id, job in self.store_jobs_by_id.items() if job[0] != tuple(keys)}
 
     def _record_prepare_store(self, result: Any, keys: Any, context: Any) -> None:
         request_id = context.req_id
@@ -180,12 +189,20 @@ class VllmOffloadingAdapter(VllmAdapter):
         for job in meta.load_jobs.values():
             _, gpu = job_specs(job)
             keys = record.load_keys[job.req_id]
-            record.loads.append(LoadJob(request_id=job.req_id, offload_indices=self.indices(job.req_id, keys),
-                                        first_gpu_block=int(gpu.block_indices[0]), num_gpu_blocks=len(gpu.block_ids)))
-        for job in meta.store_jobs.values():
+            load = LoadJob(request_id=job.req_id, offload_indices=self.indices(job.req_id, keys),
+                           first_gpu_block=int(gpu.block_indices[0]), num_gpu_blocks=len(gpu.block_ids))
+            record.loads.append(load)
+            self.jobs_in_flight_by_keys[tuple(keys)] = load
+        for job_id, job in meta.store_jobs.items():
             _, cpu = job_specs(job)
             request_id, keys = record.prepared[id(cpu)]
-            record.stores.append(StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys)))
+            store = StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys))
+            record.stores.append(store)
+            self.jobs_in_flight_by_keys[tuple(keys)] = store
+            self.store_jobs_by_id[job_id] = (tuple(keys), store)
+        for job_id in sorted(getattr(meta, "jobs_to_flush", None) or ()):
+            if job_id in self.store_jobs_by_id:
+                record.flushed_stores.append(self.store_jobs_by_id[job_id][1])
         for jobs, is_store in ((meta.load_jobs, False), (meta.store_jobs, True)):
             for job_id, job in jobs.items():
                 gpu = job_specs(job)[0 if is_store else 1]
@@ -195,7 +212,9 @@ class VllmOffloadingAdapter(VllmAdapter):
         record, self.step_record = self.step_record, _StepRecord()
         observation.update(
             lookups={r: tuple(i) for r, i in record.lookups.items()}, loads=tuple(record.loads),
-            store_offers=tuple(record.offers), stores=tuple(record.stores), evicted=tuple(record.evicted))
+            store_offers=tuple(record.offers), stores=tuple(record.stores), evicted=tuple(record.evicted),
+            completed_loads=tuple(record.completed_loads), completed_stores=tuple(record.completed_stores),
+            flushed_stores=tuple(record.flushed_stores))
 
     # --- state -------------------------------------------------------------------------------------
 
@@ -248,6 +267,9 @@ class _StepRecord:
         self.prepared: dict[int, tuple[str, list[bytes]]] = {}
         self.stores: list[StoreJob] = []
         self.evicted: list[BlockRef] = []
+        self.completed_loads: list[LoadJob] = []
+        self.completed_stores: list[StoreJob] = []
+        self.flushed_stores: list[StoreJob] = []
 
 
 def job_specs(job: Any) -> tuple[Any, Any]:

@@ -38,7 +38,7 @@ from pydantic import BaseModel
 from kvconform.adapters.contract import Capabilities
 from kvconform.adapters.registry import resolve
 from kvconform.cli import main as cli_main
-from kvconform.conformance import plugin, report
+from kvconform.conformance import plugin, report, vectors
 from kvconform.conformance.checks import CHECKS
 from kvconform.spec import registry
 
@@ -48,6 +48,7 @@ CLAUSES = registry.clauses()
 CHAPTER_PAGES = {name: f"spec/{name}" for name in registry.chapters()} | {"CHANGELOG.md": "spec/changelog.md"}
 CLAUSE_INDEX = "spec/index.md"
 SCHEMA_FILE = "report.schema.json"
+SCENARIO_SCHEMA_FILE = "scenario.schema.json"
 DIRECTIVE = re.compile(r"^<!-- kvconform: (?P<name>[\w-]+)(?P<args>[^>]*?) -->$", re.MULTILINE)
 CLAUSE_REF = re.compile(r"\b[A-Z]+(?:-[A-Z]+)*-\d+\b")
 FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -323,7 +324,15 @@ def generated_pages() -> dict[str, str]:
 
 
 def report_schema() -> str:
-    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **report.RunReport.model_json_schema()}
+    return json_schema(report.RunReport)
+
+
+def scenario_schema() -> str:
+    return json_schema(vectors.ScenarioFile)
+
+
+def json_schema(model: type[BaseModel]) -> str:
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **model.model_json_schema()}
     return json.dumps(schema, indent=2) + "\n"
 
 
@@ -386,6 +395,12 @@ def directive_report_schema(args: list[str], page: str) -> str:
     return (f"Download: [`{SCHEMA_FILE}`]({link(SCHEMA_FILE, page)})\n\n"
             + collapsible("abstract", f"The JSON schema of `RunReport` (spec {registry.spec_version()})",
                           fenced(report_schema().rstrip(), "json")))
+
+
+def directive_scenario_schema(args: list[str], page: str) -> str:
+    return (f"Download: [`{SCENARIO_SCHEMA_FILE}`]({link(SCENARIO_SCHEMA_FILE, page)})\n\n"
+            + collapsible("abstract", f"The JSON schema of a scenario file (spec {registry.spec_version()})",
+                          fenced(scenario_schema().rstrip(), "json")))
 
 
 def directive_model(args: list[str], page: str) -> str:
@@ -467,6 +482,7 @@ DIRECTIVES: dict[str, Callable[[list[str], str], str]] = {
     "counterexample": directive_counterexample,
     "example-report": directive_example_report,
     "report-schema": directive_report_schema,
+    "scenario-schema": directive_scenario_schema,
     "model": directive_model,
     "source": directive_source,
     "capabilities": directive_capabilities,
@@ -515,6 +531,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     for path, markdown in generated_pages().items():
         files.append(File.generated(config, path, content=markdown))
     files.append(File.generated(config, SCHEMA_FILE, content=report_schema()))
+    files.append(File.generated(config, SCENARIO_SCHEMA_FILE, content=scenario_schema()))
     return files
 
 
