@@ -107,7 +107,7 @@ class VllmOffloadingAdapter(VllmAdapter):
         self.jobs_in_flight_by_keys: dict[frozenset[bytes], list[LoadJob | StoreJob]] = {}
         """Jobs in flight by their keys (a set: 0.24 completes a job with its keys as a set), oldest first: two
         requests may store the same keys before either finishes."""
-        self.store_jobs_by_id: dict[int, tuple[tuple[bytes, ...], StoreJob]] = {}
+        self.store_jobs_by_id: dict[int, tuple[frozenset[bytes], StoreJob]] = {}
         self.request_keys: dict[str, list[bytes]] = {}
         self.step_record = _StepRecord()
         super().start(config)
