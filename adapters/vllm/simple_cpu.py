@@ -45,7 +45,7 @@ class HeldSimpleWorker:
         self.num_cpu_blocks = num_cpu_blocks
         self.meta: Any = None
         self.load_requests: dict[int, list[str]] = {}
-        self.completed_stores: dict[int, int] = {}
+        self.unreported_store_events: dict[int, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """The KV tensors are the transfer engine's already."""
@@ -83,7 +83,7 @@ class HeldSimpleWorker:
         for job_id, _ in self.transfers.take_finished():
             event, kind = divmod(job_id, 2)
             if kind == STORE:
-                self.completed_stores[event] = 1
+                self.unreported_store_events[event] = 1
             else:
                 recving.update(self.load_requests.pop(event))
         return None, recving or None
@@ -92,9 +92,9 @@ class HeldSimpleWorker:
         """Report the store events completed since the last call, each once (as vLLM's worker does)."""
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-        if not self.completed_stores:
+        if not self.unreported_store_events:
             return None
-        completed, self.completed_stores = self.completed_stores, {}
+        completed, self.unreported_store_events = self.unreported_store_events, {}
         return SimpleCPUOffloadWorkerMetadata(completed_store_events=completed)
 
 
