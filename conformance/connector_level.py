@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvconform.adapters.contract import EngineConfig, RequestSpec, ResourceUsage, StepObservation
+from kvconform.adapters.contract import EngineConfig, MatchAnswer, RequestSpec, ResourceUsage, StepObservation
 from kvconform.conformance.checks import ClauseViolation, check
 from kvconform.reference.kv_history import KVHistory
 
@@ -25,8 +25,8 @@ class ScheduleTrace:
     unfinished: set[str] = field(default_factory=set)
     running: set[str] = field(default_factory=set)
     """Requests the latest step scheduled that have not finished."""
-    loads: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Requests whose latest answer offered external tokens → (local hit, tokens the load would complete)."""
+    loads: dict[str, int] = field(default_factory=dict)
+    """Requests whose latest answer offered external tokens → the computed tokens the load would complete."""
     loading: set[str] = field(default_factory=set)
     """Requests whose asynchronous load was admitted and not reported finished yet (KVC-ASYNC-1)."""
     loaded: set[str] = field(default_factory=set)
@@ -101,29 +101,28 @@ class ConnectorJudge:
         trace.delayed = (trace.delayed | set(observation.free_delayed)) - set(observation.saves_finished)
         trace.loading -= set(observation.loads_finished)
         trace.loaded = set(observation.loads_finished) - set(observation.loads_failed)
-        for answer in observation.match_answers:
-            request_id, tokens = answer.request_id, answer.external_tokens
+        answers = {answer.request_id: answer for answer in observation.match_answers}  # each request's latest
+        for request_id, answer in answers.items():
+            tokens = answer.external_tokens
             trace.loading.discard(request_id)
             trace.loads.pop(request_id, None)
             if tokens and tokens > 0:
-                trace.loads[request_id] = (answer.local_hit_tokens, answer.local_hit_tokens + tokens)
-                if answer.load_async and observation.computed_tokens.get(request_id) == trace.loads[request_id][1]:
+                trace.loads[request_id] = answer.local_hit_tokens + tokens
+                if answer.load_async and observation.computed_tokens.get(request_id) == trace.loads[request_id]:
                     trace.loading.add(request_id)
         for request_id, num_new in observation.scheduled_tokens.items():
-            self.history.record_computed(request_id, self._start_of_step(request_id, observation) + num_new)
+            self.history.record_computed(request_id, self._start_of_step(answers.get(request_id), request_id) + num_new)
         for request_id in trace.loaded & observation.computed_tokens.keys():
             self.history.record_computed(request_id, observation.computed_tokens[request_id])
         trace.running = set(observation.scheduled_tokens) - finished
         trace.in_flight = bool(observation.scheduled_tokens)
         trace.computed_tokens = dict(observation.computed_tokens)
 
-    def _start_of_step(self, request_id: str, observation: StepObservation) -> int:
-        """Return the tokens a scheduled request had computed before the step: its hit if admitted in it (a
-        synchronous load included), else what the previous step left (a request finishing is no longer counted)."""
-        answers = [answer for answer in observation.match_answers if answer.request_id == request_id]
-        if not answers:
+    def _start_of_step(self, answer: MatchAnswer | None, request_id: str) -> int:
+        """Return the tokens a scheduled request had computed before the step: its hit if admitted in it with this
+        `answer` (a synchronous load included), else what the previous step left (a finishing request's is gone)."""
+        if answer is None:
             return self.trace.computed_tokens.get(request_id, 0)
-        answer = answers[-1]
         return answer.local_hit_tokens + (answer.external_tokens or 0) * (not answer.load_async)
 
 
@@ -196,7 +195,7 @@ def check_load_failures(judge: ConnectorJudge, observation: StepObservation) -> 
         if request_id not in judge.trace.loads:
             raise ClauseViolation("KVC-FAIL-1", f"the connector reported a failed load for request {request_id!r}, "
                                                 "which was offered no external tokens")
-        end, computed = judge.trace.loads[request_id][1], observation.computed_tokens.get(request_id, 0)
+        end, computed = judge.trace.loads[request_id], observation.computed_tokens.get(request_id, 0)
         if request_id in observation.computed_tokens and computed >= end:
             raise ClauseViolation("KVC-FAIL-1", f"request {request_id!r}: its load failed, yet it still counts all "
                                                 f"{computed} tokens the load was to complete as computed: what failed is "

@@ -123,6 +123,9 @@ class Execution:
         """The reference engine stepped alongside, for an adapter judged at the offloading level."""
         self.ctx: Context | None = None
         self.connector_judge: ConnectorJudge | None = None
+        self.state: EngineState | None = None
+        """Where the engine's requests are: the reference's view when it is stepped alongside (the offloading level),
+        else the adapter's own trace as the connector level follows it; set at `start`."""
         self.capabilities = Capabilities()
         self.program: list[Call] = []
         self.failed = False
@@ -173,11 +176,6 @@ class Execution:
         """Return the requests added so far, by id."""
         return self.connector_judge.requests if self.connector_judge is not None else {}
 
-    @property
-    def state(self) -> EngineState:
-        """Return where the engine's requests are: the reference's view when it is stepped alongside (the offloading
-        level), else the adapter's own trace as the connector level follows it."""
-        return ReferenceState(self.oracle.engine) if self.oracle is not None else self.connector_judge
 
     def allows(self, call: Call) -> bool:
         """Return True if the engine's state lets `call` run: its request exists and is in the right state."""
@@ -205,10 +203,11 @@ class Execution:
             raise
 
     def _start(self, config) -> None:
-        self.connector_judge = ConnectorJudge(config, self.coverage)
+        self.connector_judge = self.state = ConnectorJudge(config, self.coverage)
         if self.oracle is not None:
             self.expect("start", config)
             self.ctx = Context(config, self.connector_judge.requests, self.oracle.engine, exercised=self.coverage)
+            self.state = ReferenceState(self.oracle.engine)
         self.call("start", config)
 
     def _add_request(self, spec) -> None:
