@@ -98,6 +98,13 @@ class StoreJob(_Frozen):
     evicted: tuple[BlockRef, ...] = Field((), description="for an offer: the blocks its prepare_store call evicted")
 
 
+class TransferOutcome(_Frozen):
+    """How the transfers in flight finish when they are completed: loads and/or stores may fail (CONN-STEP-4)."""
+
+    fail_loads: bool = False
+    fail_stores: bool = False
+
+
 class StepObservation(_Frozen):
     """Everything one engine step did that the spec constrains."""
 
@@ -184,6 +191,8 @@ class Capabilities(_Frozen):
     deferred_first: tuple[bool, ...] = Field((False,), description="whether a request whose lookup was deferred is "
                                                                      "considered before the other waiting requests "
                                                                      "(SCHED-ORDER-1)")
+    complete_in_step: bool = Field(False, description="step(complete_transfers=…) finishes the transfers in flight "
+                                                      "inside the step, where the worker polls its jobs")
     levels: tuple[SpecLevel, ...] = Field(("connector", "offloading"), description="the spec levels whose "
                                                                                  "observations it reports")
     kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")
@@ -236,8 +245,12 @@ class KVConnectorAdapter(abc.ABC):
         """Queue a request (it is considered for scheduling at the next step)."""
 
     @abc.abstractmethod
-    def step(self) -> StepObservation:
-        """Run one engine step: schedule, connector metadata, forward, worker transfers, output processing."""
+    def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
+        """Run one engine step: schedule, connector metadata, forward, worker transfers, output processing.
+
+        With `complete_transfers` (only if `Capabilities.complete_in_step`), every transfer in flight when the worker
+        polls its jobs — after the forward, the step's flushes and its stores' submission — finishes there, with
+        that outcome, and is reported in this step."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:

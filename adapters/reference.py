@@ -17,6 +17,7 @@ from kvconform.adapters.contract import (
     StepObservation,
     StoreJob,
     StoreSnapshot,
+    TransferOutcome,
 )
 from kvconform.reference.engine import Engine, StepResult
 
@@ -36,7 +37,7 @@ class ReferenceAdapter(KVConnectorAdapter):
         return kvconform.__version__
 
     def capabilities(self) -> Capabilities:
-        return Capabilities()
+        return Capabilities(complete_in_step=True)
 
     def start(self, config: EngineConfig) -> None:
         self.engine = self.engine_class(config, self.device)
@@ -45,8 +46,8 @@ class ReferenceAdapter(KVConnectorAdapter):
     def add_request(self, request: RequestSpec) -> None:
         self.engine.add_request(request)
 
-    def step(self) -> StepObservation:
-        return self.observe(self.engine.step())
+    def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
+        return self.observe(self.engine.step(complete_transfers))
 
     def observe(self, result: StepResult) -> StepObservation:
         """Translate a reference step into the contract's vocabulary.

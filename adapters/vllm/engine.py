@@ -28,6 +28,7 @@ from kvconform.adapters.contract import (
     RequestSpec,
     ResourceUsage,
     StepObservation,
+    TransferOutcome,
 )
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.transfers import HeldTransfers
@@ -222,7 +223,7 @@ class VllmAdapter(KVConnectorAdapter):
         Before 0.34 a deferred request waits in `skipped_waiting`, which is served before `waiting`; 0.34 leaves it in
         `waiting` and serves the block holders' `kv_holding_waiting` first (SCHED-ORDER-1)."""
         scheduler = self.rt.sched.Scheduler
-        return dict(preemption=False, abort=True, kv_cache_groups=1, reads_kv=True,
+        return dict(preemption=False, abort=True, kv_cache_groups=1, reads_kv=True, complete_in_step=True,
                     reset_connector="reset_connector" in inspect.signature(scheduler.reset_prefix_cache).parameters,
                     preempt_in_flight=(not hasattr(scheduler, "_request_blocks_can_be_freed"),),
                     deferred_first=("kv_holding_waiting" not in inspect.getsource(scheduler.__init__),))
@@ -331,13 +332,17 @@ class VllmAdapter(KVConnectorAdapter):
 
     # --- the step ------------------------------------------------------------------------------
 
-    def step(self) -> StepObservation:
-        """One engine-core step: EngineCore.step (sync) or step_with_batch_queue with a queue of 2 (async)."""
+    def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
+        """One engine-core step: EngineCore.step (sync) or step_with_batch_queue with a queue of 2 (async).
+
+        `complete_transfers` finishes the held jobs at the worker's poll of its finished transfers in this step."""
+        self.transfers.complete_at_poll(complete_transfers)
         if self.config.async_scheduling:
             self._step_with_batch_queue()
         elif self.scheduler.has_requests():
             batch = self._execute(self._schedule())
             self._process(batch)
+        self.transfers.complete_at_poll(None)
         observation = self._observe()
         self.trace = StepTrace()
         return observation

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvconform.adapters.contract import TransferOutcome
 from kvconform.reference.transfer import TransferEngine
 
 
@@ -43,6 +44,7 @@ class HeldTransfers:
         self.released: dict[int, bool] = {}
         self.finished: list[tuple[int, bool]] = []
         self.this_step: set[int] = set()
+        self.completion_at_poll: TransferOutcome | None = None
 
     def begin_step(self) -> None:
         """Start a new engine step: the jobs issued from now on are this step's."""
@@ -75,8 +77,15 @@ class HeldTransfers:
         for job_id in sorted(set(job_ids) & self.held.keys()):
             self._run(job_id, self.held.pop(job_id), True)
 
+    def complete_at_poll(self, outcome: TransferOutcome | None) -> None:
+        """Finish every job with `outcome` when the worker next polls its finished jobs, inside the step."""
+        self.completion_at_poll = outcome
+
     def take_finished(self) -> list[tuple[int, bool]]:
-        """Return the jobs finished since the last call, each with its success."""
+        """Return the jobs finished since the last call, each with its success (the worker's poll)."""
+        if self.completion_at_poll is not None:
+            outcome, self.completion_at_poll = self.completion_at_poll, None
+            self.complete(outcome.fail_loads, outcome.fail_stores)
         finished, self.finished = self.finished, []
         return finished
 
