@@ -4,7 +4,9 @@ A vector (a scenario) is JSON: `config` (EngineConfig fields), `level` (the spec
 "connector" or "offloading"), an optional `clause` it illustrates, and `ops`, each
 `{"op": name, "args": {...}}`. A `step` op may carry `expect`, a subset of `StepObservation` fields that
 must match exactly, and `clauses`, the clause each expected field enforces (the scenario's `clause` if
-left out). `Scenario` builds one in Python.
+left out); its `complete_transfers` argument finishes the transfers inside the step. `drain` completes
+transfers and steps until the adapter is idle. A prompt may name another request's tokens (`{"tokens_of": R}`:
+R's prompt and all it decodes; `{"output_of": R}`: what it decodes). `Scenario` builds one in Python.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvconform.adapters.contract import (VARIANTS, Capabilities, EngineConfig, KVConnectorAdapter, RequestSpec,
-                                        SpecLevel, StepObservation)
+                                        SpecLevel, StepObservation, TransferOutcome)
 from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.execution import DRAIN_STEP_LIMIT
+from kvconform.reference.kv_history import RequestHistory
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class ScenarioOp(BaseModel):
     """One operation of a scenario file: an adapter call, and for a step what it must observe."""
 
     model_config = ConfigDict(extra="forbid")
-    op: Literal["add_request", "step", "complete_transfers", "abort", "preempt", "reset_prefix_cache"]
+    op: Literal["add_request", "step", "complete_transfers", "drain", "abort", "preempt", "reset_prefix_cache"]
     args: dict[str, Any] = Field(default_factory=dict, description="the call's keyword arguments")
     expect: dict[str, Any] = Field(default_factory=dict, description="of a step: StepObservation fields, "
                                                                      "as JSON, that must match exactly")
@@ -69,13 +73,29 @@ class Unsupported(Exception):
     """The adapter lacks what the scenario needs: its spec level, or an operation its capabilities rule out."""
 
 
+def _unsupported_config(config: EngineConfig, capabilities: Capabilities) -> str | None:
+    """Return why the adapter cannot start with the scenario's `config`, or None if it can."""
+    if config.block_size_factor not in capabilities.block_size_factors:
+        return f"block_size_factor {config.block_size_factor}, and the adapter supports {capabilities.block_size_factors}"
+    if config.eviction_policy not in capabilities.eviction_policies:
+        return f"the {config.eviction_policy} policy, and the adapter supports {capabilities.eviction_policies}"
+    if config.async_scheduling and not capabilities.async_scheduling:
+        return "async scheduling, and the adapter reports async_scheduling=False"
+    for name in VARIANTS:
+        if name in config.model_fields_set and getattr(config, name) not in getattr(capabilities, name):
+            return f"{name}={getattr(config, name)}, and the adapter has {getattr(capabilities, name)}"
+    return None
+
+
 def _unsupported_op(op: dict[str, Any], capabilities: Capabilities) -> str | None:
     """Return why the adapter cannot run `op`, or None if it can."""
     args = op.get("args", {})
+    outcome = args.get("complete_transfers", {}) if op["op"] == "step" else args
     if op["op"] == "preempt" and not capabilities.preemption:
         return "preempt(), and the adapter reports preemption=False"
-    if op["op"] == "complete_transfers" and (args.get("fail_loads") or args.get("fail_stores")) \
-            and not capabilities.transfer_failures:
+    if op["op"] == "step" and "complete_transfers" in args and not capabilities.complete_in_step:
+        return "transfers completed inside a step, and the adapter reports complete_in_step=False"
+    if (outcome.get("fail_loads") or outcome.get("fail_stores")) and not capabilities.transfer_failures:
         return "failed transfers, and the adapter reports transfer_failures=False"
     if op["op"] == "reset_prefix_cache" and args.get("reset_connector") and not capabilities.reset_connector:
         return "reset_prefix_cache(reset_connector=True), and the adapter reports reset_connector=False"
@@ -115,23 +135,70 @@ def replay(vector: Vector, adapter: KVConnectorAdapter) -> None:
     capabilities = adapter.capabilities()
     if vector.level not in capabilities.levels:
         raise Unsupported(f"{vector.name} needs the {vector.level} level; the adapter reports {capabilities.levels}")
-    for op in vector.ops:
-        if (reason := _unsupported_op(op, capabilities)) is not None:
+    for reason in (_unsupported_config(vector.config, capabilities),
+                   *(_unsupported_op(op, capabilities) for op in vector.ops)):
+        if reason is not None:
             raise Unsupported(f"{vector.name} needs {reason}")
     unset = [name for name in VARIANTS if name not in vector.config.model_fields_set]  # expectations hold for each
     adapter.start(vector.config.model_copy(update={name: getattr(capabilities, name)[0] for name in unset}))
+    requests: dict[str, RequestSpec] = {}
     try:
         for number, op in enumerate(vector.ops):
             args = op.get("args", {})
             if op["op"] == "add_request":
-                adapter.add_request(RequestSpec(**args))
+                request = request_spec(args, requests)
+                requests[request.request_id] = request
+                adapter.add_request(request)
             elif op["op"] == "step":
-                observation = adapter.step().model_dump(mode="json")
-                _expect(vector, number, observation, op.get("expect", {}), op.get("clauses", {}))
+                completion = args.get("complete_transfers")
+                observation = adapter.step(**({} if completion is None else
+                                              {"complete_transfers": TransferOutcome(**completion)}))
+                _expect(vector, number, observation.model_dump(mode="json"), op.get("expect", {}),
+                        op.get("clauses", {}))
+            elif op["op"] == "drain":
+                _drain(vector, number, adapter)
             else:
                 getattr(adapter, op["op"])(**args)
     finally:
         adapter.close()
+
+
+def request_spec(args: dict[str, Any], requests: dict[str, RequestSpec]) -> RequestSpec:
+    """Return the request an `add_request` op adds, its prompt's references to earlier requests' tokens resolved."""
+    prompt: list[int] = []
+    for part in args["prompt"]:
+        if isinstance(part, dict):
+            prompt.extend(_tokens_of_reference(part, requests))
+        else:
+            prompt.append(part)
+    return RequestSpec(**(args | {"prompt": tuple(prompt)}))
+
+
+def _tokens_of_reference(part: dict[str, str], requests: dict[str, RequestSpec]) -> tuple[int, ...]:
+    """Return the tokens `{"tokens_of": R}` (R's prompt and every token R decodes) or `{"output_of": R}` (only
+    the decoded ones) stand for; the KV content function fixes what R decodes (XFER-DATA-2)."""
+    (kind, request_id), = part.items()
+    if kind not in ("tokens_of", "output_of") or request_id not in requests:
+        raise ValueError(f"a prompt part must be {{'tokens_of' or 'output_of': an earlier request id}}, not {part}")
+    request = requests[request_id]
+    history = RequestHistory((request.cache_salt, request.lora_name), request.prompt, request.max_tokens)
+    tokens = history.decoded()
+    return tuple(tokens) if kind == "tokens_of" else tuple(tokens[len(request.prompt):])
+
+
+def _drain(vector: Vector, number: int, adapter: KVConnectorAdapter) -> None:
+    """Complete transfers and step until the adapter is idle; raise `ClauseViolation` if it never is: a request
+    still unfinished breaks liveness, anything else still held (blocks, pins, jobs) is a leak."""
+    for _ in range(DRAIN_STEP_LIMIT):
+        if not any(adapter.resource_usage().model_dump().values()):
+            return
+        adapter.complete_transfers(fail_loads=False, fail_stores=False)
+        adapter.step()
+    usage = adapter.resource_usage()
+    rule = "LIVE" if usage.unfinished_requests else "LEAK"
+    clause = f"LIFE-{rule}-1" if vector.level == "offloading" else f"KVC-{rule}-1"
+    raise ClauseViolation(clause, f"vector {vector.name}, op {number} (drain): still busy after {DRAIN_STEP_LIMIT} "
+                                  f"steps: {usage!r}")
 
 
 def _expect(vector: Vector, number: int, observation: dict[str, Any], expect: dict[str, Any],
@@ -143,6 +210,16 @@ def _expect(vector: Vector, number: int, observation: dict[str, Any], expect: di
                        for name in wrong)
         raise ClauseViolation(clauses.get(wrong[0], vector.clause), f"vector {vector.name}, op {number} (step): "
                                                                     f"expected vs observed{diff}")
+
+
+def tokens_of(request_id: str) -> dict[str, str]:
+    """Stand, in a prompt, for an earlier request's prompt followed by every token it decodes."""
+    return {"tokens_of": request_id}
+
+
+def output_of(request_id: str) -> dict[str, str]:
+    """Stand, in a prompt, for the tokens an earlier request decodes."""
+    return {"output_of": request_id}
 
 
 def _json(value: Any) -> Any:
@@ -163,7 +240,8 @@ class Scenario:
     `Scenario(config).add("r", [0] * 12).step(stored=[("r", (0,))]).run(adapter)`; `step` keywords are
     `StepObservation` fields, plus the shorthands `stored` and `flushed`, (request, indices) pairs of completed
     and flushed stores, `loaded`, (request, indices, first GPU block, GPU blocks) of completed loads, and
-    `looked_up=False` (no lookup).
+    `looked_up=False` (no lookup); `clauses` names the clause an expected field enforces (the scenario's if not);
+    `complete_transfers=True` (or a `TransferOutcome`) finishes the transfers inside the step. A prompt may hold `tokens_of(R)` or `output_of(R)`: the tokens an earlier request decodes.
     """
 
     config: EngineConfig
@@ -172,20 +250,36 @@ class Scenario:
     description: str = ""
     ops: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int = 1, **spec: Any) -> Scenario:
-        args = RequestSpec(request_id=request_id, prompt=tuple(prompt), max_tokens=max_tokens, **spec)
-        self.ops.append({"op": "add_request", "args": args.model_dump(mode="json", exclude_defaults=True)
-                         | {"request_id": request_id, "prompt": list(prompt)}})
+    def add(self, request_id: str, prompt: list[int | dict[str, str]], max_tokens: int = 1, **spec: Any) -> Scenario:
+        args = {"request_id": request_id, "prompt": list(prompt), "max_tokens": max_tokens, **spec}
+        request_spec(args, self._requests())  # refuse a bad request where it is written
+        self.ops.append({"op": "add_request", "args": _json(args)})
         return self
 
+    def _requests(self) -> dict[str, RequestSpec]:
+        requests: dict[str, RequestSpec] = {}
+        for op in self.ops:
+            if op["op"] == "add_request":
+                requests[op["args"]["request_id"]] = request_spec(op["args"], requests)
+        return requests
+
     def step(self, *, loaded: Any = None, stored: Any = None, flushed: Any = None, looked_up: bool | None = None,
+             complete_transfers: bool | TransferOutcome = False, clauses: dict[str, str] | None = None,
              **expect: Any) -> Scenario:
         for name, pairs in (("completed_loads", loaded), ("completed_stores", stored), ("flushed_stores", flushed)):
             if pairs is not None:
                 expect[name] = [self._job(name, *job) for job in pairs]
         if looked_up is False:
             expect["lookups"] = {}
-        self.ops.append({"op": "step", "expect": _json(expect)} if expect else {"op": "step"})
+        op: dict[str, Any] = {"op": "step"}
+        if complete_transfers is not False:
+            outcome = TransferOutcome() if complete_transfers is True else complete_transfers
+            op["args"] = {"complete_transfers": outcome.model_dump()}
+        if expect:
+            op["expect"] = _json(expect)
+        if clauses:
+            op["clauses"] = clauses
+        self.ops.append(op)
         return self
 
     @staticmethod
@@ -202,6 +296,11 @@ class Scenario:
 
     def reset_prefix_cache(self, reset_connector: bool = False) -> Scenario:
         self.ops.append({"op": "reset_prefix_cache", "args": {"reset_connector": reset_connector}})
+        return self
+
+    def drain(self) -> Scenario:
+        """Complete transfers and step until the adapter is idle: every request finished, nothing in flight."""
+        self.ops.append({"op": "drain"})
         return self
 
     def abort(self, request_id: str) -> Scenario:

@@ -33,6 +33,11 @@ class RequestHistory:
         """Return the most tokens this request can have KV for: the last output token is never computed."""
         return len(self.prompt) + self.max_tokens - 1
 
+    def decoded(self) -> list[int]:
+        """Return the prompt followed by every token the request decodes, the last one included (XFER-DATA-2)."""
+        self.extend(len(self.prompt) + self.max_tokens)
+        return list(self.tokens)
+
     def extend(self, num_tokens: int) -> None:
         """Derive tokens and chain states up to `num_tokens` (XFER-DATA-1, XFER-DATA-2)."""
         if not self.tokens:

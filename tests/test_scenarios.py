@@ -1,6 +1,7 @@
 """Scenarios as connector authors write them (issue 14): the builder, the JSON form, and their diffs."""
 
 import json
+import re
 
 import pytest
 
@@ -74,30 +75,95 @@ def test_kvconform_replay_checks_a_scenario_file_and_prints_the_diff(tmp_path):
     assert "OFF-READ-3" in failed.output and "+ observed []" in failed.output
 
 
-def preemption_flushes_stores_in_flight() -> Scenario:
-    """LIFE-FREE-2: a request preempted while its store is in flight has that store flushed in the next step."""
-    return (Scenario(CONFIG, clause="LIFE-FREE-2")
-            .add("a", [1] * 12, max_tokens=4).step(stored=[])
-            .preempt("a").step(flushed=[("a", (0,))]))
+SCENARIO_MUTANTS = {
+    "seed-skip-read-sync": "skip-flag-ignored",
+    "seed-skip-read-async": "skip-returns-early",
+    "seed-skip-read-long-sync": "skip-returns-early",
+    "seed-skip-read-long-async": "skip-flag-ignored",
+    "skip-read-black-box-sync": "skip-returns-early",
+    "skip-read-black-box-async": "skip-flag-ignored-black-box",
+    "fence-store-flushed-before-reuse": "frees-while-storing",
+    "preemption-flushes-stores-in-flight": "stores-not-flushed-on-preemption",
+    "failed-load-recomputed": "failed-load-kept",
+    "abort-during-load": "leaks-on-abort-during-load",
+    "tenant-isolation": "cross-tenant-hit-black-box",
+    "load-finishes-inside-the-step": "load-never-reported",
+    "decoded-prefix-reloaded": "decoded-blocks-not-offloaded",
+    "connector-reset-empties-store": "reset-keeps-store",
+    "idle-engine-holds-no-blocks": "leaks-block-on-abort-black-box",
+}
+"""Each bundled scenario with a mutant that puts back the bug it illustrates: the scenario's negative control."""
 
 
-def test_preemption_scenario_passes_on_the_reference():
-    preemption_flushes_stores_in_flight().run(ReferenceAdapter())
+def test_every_bundled_scenario_has_a_mutant_it_fails():
+    assert set(SCENARIO_MUTANTS) == set(vectors.bundled())
 
 
-def test_preemption_scenario_fails_on_the_mutant_that_skips_the_flush():
+@pytest.mark.parametrize("name", vectors.bundled())
+def test_the_reference_meets_every_bundled_scenario(name):
+    vectors.replay(vectors.load(name), ReferenceAdapter())
+
+
+@pytest.mark.parametrize("name", vectors.bundled())
+def test_the_mutant_of_a_bundled_scenario_fails_it_with_its_clause(name):
     from kvconform.conformance.mutants import MUTANTS
 
+    vector = vectors.load(name)
     with pytest.raises(ClauseViolation) as raised:
-        preemption_flushes_stores_in_flight().run(MUTANTS["stores-not-flushed-on-preemption"].adapter())
-    assert raised.value.clause == "LIFE-FREE-2"
-    assert "flushed_stores:" in raised.value.detail and "+ observed []" in raised.value.detail
+        vectors.replay(vector, MUTANTS[SCENARIO_MUTANTS[name]].adapter())
+    clauses = {vector.clause} | {clause for op in vector.ops for clause in op.get("clauses", {}).values()}
+    assert raised.value.clause in clauses, raised.value
+    assert "expected" in raised.value.detail or "still busy" in raised.value.detail
+
+
+def test_a_prompt_names_the_tokens_an_earlier_request_decodes():
+    """`tokens_of(R)` is R's prompt and all it decodes, as the KV content function fixes them (XFER-DATA-2)."""
+    from kvconform.adapters.contract import RequestSpec
+    from kvconform.reference import kv_content
+
+    first = RequestSpec(request_id="a", prompt=(1, 2, 3), max_tokens=2, cache_salt="s")
+    states = kv_content.token_states(kv_content.initial_state(None, "s"), first.prompt)
+    decoded = kv_content.next_token(states[-1])
+    then = kv_content.next_token(kv_content.token_states(0, (*first.prompt, decoded), states)[-1])
+    args = {"request_id": "b", "prompt": [vectors.tokens_of("a"), 0], "max_tokens": 1}
+    assert vectors.request_spec(args, {"a": first}).prompt == (1, 2, 3, decoded, then, 0)
+    args = {"request_id": "c", "prompt": [vectors.output_of("a")], "max_tokens": 1}
+    assert vectors.request_spec(args, {"a": first}).prompt == (decoded, then)
+    with pytest.raises(ValueError, match="an earlier request id"):
+        vectors.request_spec({"request_id": "d", "prompt": [{"tokens_of": "zz"}]}, {"a": first})
+
+
+def test_a_decoded_prefix_reaches_the_adapter_as_tokens(tmp_path):
+    """The JSON form keeps the reference; replay resolves it before the adapter sees the request."""
+    path = tmp_path / "turns.json"
+    scenario = (Scenario(CONFIG).add("a", BLOCK, max_tokens=3).drain()
+                .add("b", [vectors.tokens_of("a"), 0]).step(scheduled_tokens={"b": 4}, match_answers=[
+                    {"request_id": "b", "local_hit_tokens": 12, "external_tokens": 0, "load_async": False}]))
+    path.write_text(json.dumps(scenario.vector().to_json()))
+    assert '{"tokens_of": "a"}' in path.read_text()
+    vectors.replay(vectors.load_file(path), ReferenceAdapter())
 
 
 def test_a_scenario_using_an_operation_the_adapter_rules_out_is_refused():
-    class NoPreemption(ReferenceAdapter):
+    class Limited(ReferenceAdapter):
         def capabilities(self):
-            return super().capabilities().model_copy(update={"preemption": False})
+            return super().capabilities().model_copy(update={"preemption": False, "complete_in_step": False,
+                                                             "block_size_factors": (1,)})
 
-    with pytest.raises(vectors.Unsupported, match="preemption=False"):
-        preemption_flushes_stores_in_flight().run(NoPreemption())
+    refusals = {"preemption=False": Scenario(CONFIG.model_copy(update={"block_size_factor": 1})).add("r", BLOCK)
+                .preempt("r"),
+                "complete_in_step=False": Scenario(CONFIG.model_copy(update={"block_size_factor": 1})).add("r", BLOCK)
+                .step(complete_transfers=True),
+                "supports (1,)": Scenario(CONFIG).add("r", BLOCK).step()}
+    for reason, scenario in refusals.items():
+        with pytest.raises(vectors.Unsupported, match=re.escape(reason)):
+            scenario.run(Limited())
+
+
+def test_a_drain_that_never_ends_names_the_leak():
+    from kvconform.conformance.mutants import MUTANTS
+
+    scenario = Scenario(CONFIG, level="connector").add("r", BLOCK, max_tokens=3).step().abort("r").drain()
+    with pytest.raises(ClauseViolation, match="still busy after") as raised:
+        scenario.run(MUTANTS["leaks-block-on-abort-black-box"].adapter())
+    assert raised.value.clause == "KVC-LEAK-1"

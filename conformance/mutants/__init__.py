@@ -153,6 +153,13 @@ class FreesWhileStoringConnector(OffloadConnectorScheduler):
 # --- the store and the worker ------------------------------------------------------------------
 
 
+class ResetKeepsStoreManager(OffloadManager):
+    """A connector reset leaves the store's blocks in place: reset_prefix_cache(reset_connector=True) still hits."""
+
+    def reset(self) -> None:
+        return None
+
+
 class EvictsKeptKeysManager(OffloadManager):
     """vLLM #35846: prepare_store evicted keys it had been asked to keep (the protected set is ignored)."""
 
@@ -424,6 +431,8 @@ MUTANTS = {
     "store-before-compute": row(StoreBeforeComputeWorker, "#31341", "XFER-DATA-1"),
     "load-offset-ignored": row(LoadOffsetIgnoredConnector, "#28951", "XFER-DATA-1"),
     "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3", "OFF-LRU-1", "OFF-ARC-1"),
+    "reset-keeps-store": row(ResetKeepsStoreManager, "OffloadingManager.reset contract", "OFF-MGR-8",
+                             "OFF-STORE-3"),
     "arc-touch-unknown-key": row(UnknownKeyRaisesManager, "#34576", "OFF-MGR-4", "CONF-CALL-1"),
     "decoded-blocks-not-offloaded": row(DecodedBlocksNotOffloadedConnector, "#33881",
                                         "OFF-STORE-1", "OFF-READ-3"),
