@@ -18,6 +18,7 @@ from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES
 if TYPE_CHECKING:
     from kvconform.conformance.options import RunOptions
     from kvconform.conformance.report import RunReport
+    from kvconform.conformance.vectors import Vector
 
 OPTION_ADAPTER = "--kv-adapter"
 OPTION_PROFILE = "--kv-profile"
@@ -31,10 +32,12 @@ OPTION_REPORT = "--kv-report"
 OPTION_JUNIT = "--kv-junit"
 OPTION_KNOWN_FAILURES = "--kv-known-failures"
 OPTION_CERTIFY = "--kv-certify"
+OPTION_SCENARIOS = "--kv-scenarios"
 ENV_ADAPTER = "KVCONFORM_ADAPTER"
 SUITE = Path(__file__).with_name("suite.py")
 
 RUN_OPTIONS = pytest.StashKey["RunOptions"]()
+SCENARIOS = pytest.StashKey["list[Vector]"]()
 RUN_REPORT = pytest.StashKey["RunReport"]()
 
 # keyword of options.prepare -> dest of the pytest option; options left unset take prepare's defaults
@@ -70,6 +73,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="File of 'CLAUSE-ID: reason' lines: reported, not fatal; stale entries fail")
     group.addoption(OPTION_CERTIFY, dest="kv_certify", action="store_true",
                     help="Fail unless every run-time-checked MUST clause was exercised and passed")
+    group.addoption(OPTION_SCENARIOS, dest="kv_scenarios", type=Path, action="append", default=[],
+                    help="A scenario JSON file, or a folder of them, to check besides the bundled ones (repeatable)")
     group.addoption(OPTION_CONNECTOR, dest="kv_connector", default=None,
                     help="For vllm-connector: the KV connector, a name vLLM knows or module:Class")
     group.addoption(OPTION_CONNECTOR_CONFIG, dest="kv_connector_config", default=None,
@@ -96,8 +101,27 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[RUN_OPTIONS] = options.prepare(spec, **{k: v for k, v in given.items() if v is not None})
     except options.UsageProblem as problem:
         raise pytest.UsageError(f"kvconform: {problem}") from None
+    try:
+        config.stash[SCENARIOS] = scenarios(config.getoption("kv_scenarios"))
+    except ValueError as problem:
+        raise pytest.UsageError(f"kvconform: {OPTION_SCENARIOS}: {problem}") from None
     if str(SUITE) not in config.args:
         config.args.append(str(SUITE))
+
+
+def scenarios(paths: list[Path]) -> list[Vector]:
+    """Return the bundled scenarios and those in `paths` (files, or folders of `*.json` files); raise ValueError,
+    one line naming the file, on a missing or malformed one."""
+    from kvconform.conformance import vectors
+
+    files = [file for path in paths for file in (sorted(path.glob("*.json")) if path.is_dir() else [path])]
+    loaded = [vectors.load(name) for name in vectors.bundled()]
+    for file in files:
+        try:
+            loaded.append(vectors.load_file(file))
+        except (OSError, ValueError) as problem:
+            raise ValueError(f"{file}: {problem}") from None
+    return loaded
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -1,4 +1,5 @@
-"""The conformance suite that `pytest --kv-adapter=…` runs: the state machine and the trace vectors."""
+"""The conformance suite that `pytest --kv-adapter=…` runs: the state machine, and the bundled scenarios with those
+given by `--kv-scenarios`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import pytest
 from kvconform.conformance import options, vectors
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.machine import scheduling_modes
-from kvconform.conformance.plugin import RUN_REPORT
+from kvconform.conformance.plugin import RUN_REPORT, SCENARIOS
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "scenario" in metafunc.fixturenames:
+        chosen = metafunc.config.stash.get(SCENARIOS, [])
+        metafunc.parametrize("scenario", chosen, ids=[vector.name for vector in chosen])
 
 
 def test_state_machine(kv_run_options: options.RunOptions, pytestconfig: pytest.Config) -> None:
@@ -27,18 +34,17 @@ def test_state_machine(kv_run_options: options.RunOptions, pytestconfig: pytest.
         pytest.fail("not certified:\n" + "\n".join(gaps), pytrace=False)
 
 
-@pytest.mark.parametrize("name", vectors.bundled())
-def test_vector(kv_run_options: options.RunOptions, name: str) -> None:
-    """The adapter meets the expectations of a bundled trace vector; a known failure's clause is an xfail."""
-    vector = vectors.load(name)
-    capabilities = kv_run_options.capabilities
-    if vector.config.async_scheduling not in scheduling_modes(capabilities, kv_run_options.scheduling):
-        pytest.skip(f"{name} uses {'async' if vector.config.async_scheduling else 'sync'} scheduling, which this run "
-                    f"does not draw (--kv-scheduling {kv_run_options.scheduling} and the adapter's capabilities)")
-    if vector.config.block_size_factor not in capabilities.block_size_factors:
-        pytest.skip(f"{name} uses block_size_factor {vector.config.block_size_factor}, not declared by the adapter")
+def test_scenario(kv_run_options: options.RunOptions, scenario: vectors.Vector) -> None:
+    """The adapter meets a scenario's expectations; a known failure's clause is an xfail, and a scenario needing what
+    the adapter lacks, or a scheduling mode the run does not draw, is skipped with the reason."""
+    if scenario.config.async_scheduling not in scheduling_modes(kv_run_options.capabilities, kv_run_options.scheduling):
+        pytest.skip(f"{scenario.name} uses {'async' if scenario.config.async_scheduling else 'sync'} scheduling, which "
+                    f"this run does not draw (--kv-scheduling {kv_run_options.scheduling} and the adapter's "
+                    f"capabilities)")
     try:
-        vectors.replay(vector, kv_run_options.factory())
+        vectors.replay(scenario, kv_run_options.factory())
+    except vectors.Unsupported as refused:
+        pytest.skip(str(refused))
     except ClauseViolation as violation:
         failure = violation
     else:

@@ -32,10 +32,13 @@ def test_reference_passes_and_writes_both_reports(pytester: pytest.Pytester, tmp
 
 
 def test_seed_mutant_fails_naming_its_clause(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    """The seed bug (vLLM #44585) fails the state machine and the sync vectors with OFF-READ-1; so does the report."""
+    """The seed bug (vLLM #44585) fails the state machine and the sync seed scenarios with OFF-READ-1; so does the
+    report."""
     report = tmp_path / "run.json"
-    result = pytester.runpytest(f"--kv-adapter={MUTANT}", "--kv-scheduling=sync", f"--kv-report={report}")
-    result.assert_outcomes(failed=1 + len(vectors("sync")), skipped=len(vectors("async")))
+    result = pytester.runpytest(f"--kv-adapter={MUTANT}", "--kv-scheduling=sync", f"--kv-report={report}",
+                                "-k", "test_state_machine or seed")
+    result.assert_outcomes(failed=1 + len(vectors("sync", "seed")), skipped=len(vectors("async", "seed")),
+                           deselected=len(vectors()) - len(vectors("both", "seed")))
     result.stdout.fnmatch_lines(["[[]OFF-READ-1[]] adapter.step(): request * skips reading cached KV*",
                                  "counterexample:", "adapter.start(EngineConfig(*"])
     written = json.loads(report.read_text())
@@ -43,11 +46,12 @@ def test_seed_mutant_fails_naming_its_clause(pytester: pytest.Pytester, tmp_path
 
 
 def test_known_failure_is_an_xfail(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    """CONF-RUN-2: a vector failing a clause listed in --kv-known-failures is an xfail that gives the reason."""
+    """CONF-RUN-2: a scenario failing a clause listed in --kv-known-failures is an xfail that gives the reason."""
     known = tmp_path / "known.txt"
     known.write_text("OFF-READ-1: the seed bug  # vLLM PR #44592\n")
-    result = pytester.runpytest(f"--kv-adapter={MUTANT}", f"--kv-known-failures={known}", "-k", "test_vector", "-rx")
-    result.assert_outcomes(xfailed=len(vectors()), deselected=1)
+    result = pytester.runpytest(f"--kv-adapter={MUTANT}", f"--kv-known-failures={known}", "-k",
+                                "test_scenario and seed", "-rx")
+    result.assert_outcomes(xfailed=len(vectors("both", "seed")), deselected=1 + len(vectors()) - len(vectors("both", "seed")))
     result.stdout.fnmatch_lines(["XFAIL *seed-skip-read-sync* - known failure OFF-READ-1: the seed bug"])
 
 
@@ -68,7 +72,34 @@ def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, options: list[st
     assert "Traceback" not in result.stderr.str()
 
 
-def vectors(scheduling: str = "both") -> list[str]:
-    """Return the names of the bundled vectors that use `scheduling` (sync, async or both)."""
+def test_a_users_scenario_files_run_with_the_bundled_ones(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """--kv-scenarios adds a user's files (or a folder of them): met, or failed with the diff of the step."""
+    from kvconform.adapters.contract import EngineConfig
+    from kvconform.conformance.vectors import Scenario
+
+    config = EngineConfig(block_size=4, block_size_factor=1, num_gpu_blocks=16, num_offload_blocks=8,
+                          async_scheduling=False)
+    folder = tmp_path / "scenarios"
+    folder.mkdir()
+    for name, tokens in (("mine-met", 8), ("mine-wrong", 7)):
+        scenario = Scenario(config).add("r", [1] * 8).step(scheduled_tokens={"r": tokens})
+        (folder / f"{name}.json").write_text(json.dumps(scenario.vector(name).to_json()))
+    result = pytester.runpytest("--kv-adapter=reference", f"--kv-scenarios={folder}", "-k", "mine", "-rf")
+    result.assert_outcomes(passed=1, failed=1, deselected=1 + len(vectors()))
+    result.stdout.fnmatch_lines(["*[[]SCENARIO[]] vector mine-wrong, op 1 (step): expected vs observed*",
+                                 "*- expected {'r': 7}*", "*+ observed {'r': 8}*"])
+
+
+def test_a_malformed_scenario_file_is_a_usage_error(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"config": {"block_size": 4}, "ops": [{"op": "jump"}]}))
+    result = pytester.runpytest("--kv-adapter=reference", f"--kv-scenarios={broken}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: kvconform: --kv-scenarios: {broken}: *"])
+
+
+def vectors(scheduling: str = "both", prefix: str = "") -> list[str]:
+    """Return the names of the bundled scenarios that use `scheduling` (sync, async or both) and start with `prefix`."""
     wanted = {"sync": {False}, "async": {True}, "both": {False, True}}[scheduling]
-    return [name for name in bundled_vectors.bundled() if bundled_vectors.load(name).config.async_scheduling in wanted]
+    return [name for name in bundled_vectors.bundled()
+            if name.startswith(prefix) and bundled_vectors.load(name).config.async_scheduling in wanted]

@@ -403,6 +403,15 @@ def directive_scenario_schema(args: list[str], page: str) -> str:
                           fenced(scenario_schema().rstrip(), "json")))
 
 
+def directive_scenario_library(args: list[str], page: str) -> str:
+    """Return the bundled scenarios: name, level, the clause each illustrates and what it shows."""
+    rows = ["| scenario | level | clause | what it shows |", "| --- | --- | --- | --- |"]
+    for name in vectors.bundled():
+        vector = vectors.load(name)
+        rows.append(f"| `{name}` | {vector.level} | {vector.clause} | {vector.description} |")
+    return "\n".join(rows) + "\n"
+
+
 def directive_model(args: list[str], page: str) -> str:
     """Return a table of a pydantic model's fields: name, type as written in the source, default, description."""
     definition, model = symbol(args[0]), import_symbol(args[0])
@@ -483,6 +492,7 @@ DIRECTIVES: dict[str, Callable[[list[str], str], str]] = {
     "example-report": directive_example_report,
     "report-schema": directive_report_schema,
     "scenario-schema": directive_scenario_schema,
+    "scenario-library": directive_scenario_library,
     "model": directive_model,
     "source": directive_source,
     "capabilities": directive_capabilities,
