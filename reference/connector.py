@@ -82,6 +82,8 @@ class RequestOffloadState:
     transfer_jobs: set[int] = field(default_factory=set)
     finished: bool = False
     block_ids: list[int] = field(default_factory=list)
+    """The GPU blocks the connector learned from the steps that scheduled the request since its latest lookup: vLLM's
+    connector sees no others, so a request that never ran has none to offer at finish (OFF-STORE-6)."""
     finish_offer_due: bool = False
     load_failed: bool = False
 
@@ -136,6 +138,7 @@ class OffloadConnectorScheduler:
         """Return the loadable tokens past the local hit and if the load is async (CONN-MATCH-1, CONN-MATCH-4, OFF-READ-2,
         LIFE-LOAD-4, OFF-STORE-7)."""
         state = self.states[request.request_id]
+        state.block_ids = []
         if self.config.restart_offers_on_lookup:
             state.next_stored_index = 0
         if state.transfer_jobs:
@@ -235,8 +238,8 @@ class OffloadConnectorScheduler:
         for request_id, num_scheduled in output.num_scheduled_tokens.items():
             state = self.states.get(request_id)
             if state is not None:
-                request = state.request
-                yield state, self.offloadable_tokens(request, num_scheduled), output.block_ids[request_id]
+                state.block_ids = output.block_ids[request_id]
+                yield state, self.offloadable_tokens(state.request, num_scheduled), state.block_ids
         for request_id in output.finished_request_ids:
             state = self.states.get(request_id)
             if state is not None and state.finish_offer_due:
@@ -244,7 +247,7 @@ class OffloadConnectorScheduler:
                 computed = request.num_computed_tokens
                 if request.status is not RequestStatus.ABORTED:  # the last sampled token has no KV yet
                     computed = min(computed, max(len(request.prompt), request.num_tokens - 1))
-                yield state, min(computed, request.num_tokens), state.block_ids
+                yield state, min(computed, request.num_tokens, len(state.block_ids) * self.block_size), state.block_ids
 
     def reused_blocks(self, output: SchedulerOutput) -> set[int]:
         """Return the GPU blocks the step puts to a new use, whose pending stores it flushes: those allocated, and
@@ -318,12 +321,12 @@ class OffloadConnectorScheduler:
                     self.recorder.completed_loads.append((job.request_id, job.offload_indices, job.first_gpu_block,
                                                           len(job.gpu_blocks)))
                     self.keys_being_loaded.difference_update(job.keys)
+                    self.states[job.request_id].load_failed |= not success  # a stale failure is ignored (OFF-MGR-8)
             for block_id in job.gpu_blocks:
                 self._forget_store_reader(block_id, job_id)
             state = self.states[job.request_id]
             if not job.is_store:
                 update.loads_done[job.request_id] = success
-                state.load_failed |= not success
             state.transfer_jobs.discard(job_id)
             if state.finished and not state.transfer_jobs:
                 if not state.finish_offer_due:
@@ -338,17 +341,17 @@ class OffloadConnectorScheduler:
             if not readers:
                 del self.store_jobs_by_gpu_block[block_id]
 
-    def request_finished(self, request: Request, block_ids: Sequence[int] = ()) -> bool:
+    def request_finished(self, request: Request) -> bool:
         """Return True to delay freeing the request's GPU blocks (CONN-FIN-1, LIFE-FREE-1, LIFE-FREE-2).
 
         Pending stores are flushed before their GPU blocks are reused; a pending load delays the free. With
-        `offer_at_finish` the request stays tracked, with its blocks, until the next step offers them (OFF-STORE-6).
+        `offer_at_finish` the request stays tracked until the next step offers the blocks it learned (OFF-STORE-6).
         """
         state = self.states.get(request.request_id)
         if state is None:
             return False
         if self.config.offer_at_finish:
-            state.block_ids, state.finish_offer_due = list(block_ids), True
+            state.finish_offer_due = True
         elif not state.transfer_jobs:
             del self.states[request.request_id]
             return False

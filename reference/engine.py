@@ -154,7 +154,7 @@ class Engine:
         self.deferred.pop(request.request_id, None)
         self._step_finished.append(request.request_id)
         self.finished_since_schedule.append(request.request_id)
-        if self.connector.request_finished(request, self.kv.blocks_of(request.request_id)):
+        if self.connector.request_finished(request):
             self.delayed_free.add(request.request_id)
             self._step_reports.free_delayed.append(request.request_id)
         else:

@@ -995,6 +995,32 @@ def test_failed_load_not_retried_if_declared(engine, lookup_after_failed_load):
     assert sum(step.scheduled_tokens.get("reader", 0) for step in steps) == (0 if lookup_after_failed_load else 12)
 
 
+def test_a_load_failure_from_before_a_connector_reset_is_ignored(engine):
+    """OFF-MGR-8, LIFE-LOAD-4: a failed load completing after a connector reset is a stale job; its failure does not
+    mark the request, which is looked up again (vLLM 0.34 skips stale completions before it marks load_failed;
+    `--profile dev` seed 3 on 0.34 found the reference marking it)."""
+    e = engine(lookup_after_failed_load=False)
+    offloaded_then_forgotten(e, PROMPT)
+    e.add_request(RequestSpec(request_id="reader", prompt=PROMPT))
+    e.step()
+    e.complete_transfers(True, False)
+    e.reset_prefix_cache(reset_connector=True)
+    assert any("reader" in e.step().trace.lookups for _ in range(3))
+
+
+def test_a_request_that_never_ran_offers_nothing_at_finish(engine):
+    """OFF-STORE-6: at finish a connector offers only blocks it learned from steps that scheduled the request; one
+    aborted while waiting for its load after a connector reset never ran and offers nothing (vLLM 0.34's connector
+    learns block ids only from scheduler output; `--profile dev` seeds 4 and 6 found the reference offering)."""
+    e = engine(offer_at_finish=True)
+    offloaded_then_forgotten(e, PROMPT)
+    e.add_request(RequestSpec(request_id="reader", prompt=PROMPT))
+    e.step()
+    e.reset_prefix_cache(reset_connector=True)
+    e.abort("reader")
+    assert [e.step().trace.store_offers for _ in range(2)] == [[], []]
+
+
 def test_delayed_free_released_when_jobs_end(conn):
     """LIFE-FREE-1: a finished request the connector delayed is released once its last job is reported."""
     c, r = pending_full_load(conn)
