@@ -104,9 +104,10 @@ class VllmOffloadingAdapter(VllmAdapter):
         self.manager: Any = None
         self.pins: dict[bytes, int] = {}
         self.origin: dict[bytes, BlockRef] = {}
-        self.jobs_in_flight_by_keys: dict[frozenset[bytes], list[LoadJob | StoreJob]] = {}
-        """Jobs in flight by their keys (a set: 0.24 completes a job with its keys as a set), oldest first: two
-        requests may store the same keys before either finishes."""
+        self.jobs_in_flight_by_keys: dict[tuple[bool, frozenset[bytes]], list[LoadJob | StoreJob]] = {}
+        """Jobs in flight by direction (is a store) and keys (a set: 0.24 completes a job with its keys as a set),
+        oldest first: two requests may store the same keys before either finishes, and a load may read keys that
+        another request stores again after a connector reset."""
         self.store_jobs_by_id: dict[int, tuple[frozenset[bytes], StoreJob]] = {}
         self.request_keys: dict[str, list[bytes]] = {}
         self.step_record = _StepRecord()
@@ -166,19 +167,19 @@ class VllmOffloadingAdapter(VllmAdapter):
     def _record_complete_load(self, result: Any, keys: Any, context: Any) -> None:
         for key in keys:
             self.pins[key] -= 1
-        self.step_record.completed_loads.append(self._completed_job(keys))
+        self.step_record.completed_loads.append(self._completed_job(False, keys))
 
     def _record_complete_store(self, result: Any, keys: Any, *args: Any, **kwargs: Any) -> None:
         """Record a store job's completion, found by its keys: its request is not an argument up to 0.24."""
-        self.step_record.completed_stores.append(self._completed_job(keys))
+        self.step_record.completed_stores.append(self._completed_job(True, keys))
         self.store_jobs_by_id = {job_id: job for job_id, job in self.store_jobs_by_id.items() if job[0] != frozenset(keys)}
 
-    def _completed_job(self, keys: Any) -> LoadJob | StoreJob:
-        """Return, and forget, the oldest job in flight with these keys."""
-        waiting = self.jobs_in_flight_by_keys[frozenset(keys)]
+    def _completed_job(self, is_store: bool, keys: Any) -> LoadJob | StoreJob:
+        """Return, and forget, the oldest load or store in flight with these keys."""
+        waiting = self.jobs_in_flight_by_keys[is_store, frozenset(keys)]
         job = waiting.pop(0)
         if not waiting:
-            del self.jobs_in_flight_by_keys[frozenset(keys)]
+            del self.jobs_in_flight_by_keys[is_store, frozenset(keys)]
         return job
 
     def _record_prepare_store(self, result: Any, keys: Any, context: Any) -> None:
@@ -202,13 +203,13 @@ class VllmOffloadingAdapter(VllmAdapter):
             load = LoadJob(request_id=job.req_id, offload_indices=self.indices(job.req_id, keys),
                            first_gpu_block=int(gpu.block_indices[0]), num_gpu_blocks=len(gpu.block_ids))
             record.loads.append(load)
-            self.jobs_in_flight_by_keys.setdefault(frozenset(keys), []).append(load)
+            self.jobs_in_flight_by_keys.setdefault((False, frozenset(keys)), []).append(load)
         for job_id, job in meta.store_jobs.items():
             _, cpu = job_specs(job)
             request_id, keys = record.prepared[id(cpu)]
             store = StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys))
             record.stores.append(store)
-            self.jobs_in_flight_by_keys.setdefault(frozenset(keys), []).append(store)
+            self.jobs_in_flight_by_keys.setdefault((True, frozenset(keys)), []).append(store)
             self.store_jobs_by_id[job_id] = (frozenset(keys), store)
         for job_id in sorted(getattr(meta, "jobs_to_flush", None) or ()):
             if job_id in self.store_jobs_by_id:
