@@ -197,7 +197,7 @@ def _drain(vector: Vector, number: int, adapter: KVConnectorAdapter) -> None:
     usage = adapter.resource_usage()
     rule = "LIVE" if usage.unfinished_requests else "LEAK"
     clause = f"LIFE-{rule}-1" if vector.level == "offloading" else f"KVC-{rule}-1"
-    raise ClauseViolation(clause, f"vector {vector.name}, op {number} (drain): still busy after {DRAIN_STEP_LIMIT} "
+    raise ClauseViolation(clause, f"scenario {vector.name}, op {number} (drain): still busy after {DRAIN_STEP_LIMIT} "
                                   f"steps: {usage!r}")
 
 
@@ -208,8 +208,8 @@ def _expect(vector: Vector, number: int, observation: dict[str, Any], expect: di
     if wrong:
         diff = "".join(f"\n  {name}:\n    - expected {_json(expect[name])!r}\n    + observed {observation[name]!r}"
                        for name in wrong)
-        raise ClauseViolation(clauses.get(wrong[0], vector.clause), f"vector {vector.name}, op {number} (step): "
-                                                                    f"expected vs observed{diff}")
+        raise ClauseViolation(clauses.get(wrong[0], vector.clause), f"scenario {vector.name}, op {number} (step): "
+                                                                      f"expected vs observed{diff}")
 
 
 def tokens_of(request_id: str) -> dict[str, str]:
@@ -241,7 +241,8 @@ class Scenario:
     `StepObservation` fields, plus the shorthands `stored` and `flushed`, (request, indices) pairs of completed
     and flushed stores, `loaded`, (request, indices, first GPU block, GPU blocks) of completed loads, and
     `looked_up=False` (no lookup); `clauses` names the clause an expected field enforces (the scenario's if not);
-    `complete_transfers=True` (or a `TransferOutcome`) finishes the transfers inside the step. A prompt may hold `tokens_of(R)` or `output_of(R)`: the tokens an earlier request decodes.
+    `complete_transfers=True` (or a `TransferOutcome`) finishes the transfers inside the step. A prompt may hold
+    `tokens_of(R)` or `output_of(R)`: the tokens an earlier request decodes.
     """
 
     config: EngineConfig

@@ -86,7 +86,7 @@ def test_a_users_scenario_files_run_with_the_bundled_ones(pytester: pytest.Pytes
         (folder / f"{name}.json").write_text(json.dumps(scenario.vector(name).to_json()))
     result = pytester.runpytest("--kv-adapter=reference", f"--kv-scenarios={folder}", "-k", "mine", "-rf")
     result.assert_outcomes(passed=1, failed=1, deselected=1 + len(vectors()))
-    result.stdout.fnmatch_lines(["*[[]SCENARIO[]] vector mine-wrong, op 1 (step): expected vs observed*",
+    result.stdout.fnmatch_lines(["*[[]SCENARIO[]] scenario mine-wrong, op 1 (step): expected vs observed*",
                                  "*- expected {'r': 7}*", "*+ observed {'r': 8}*"])
 
 
