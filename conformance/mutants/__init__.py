@@ -15,6 +15,7 @@ from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
 from kvconform.reference.hashing import block_hashes
+from kvconform.reference.kv_cache import KVCacheManager
 from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
 from kvconform.reference.request import RequestStatus
 
@@ -54,6 +55,40 @@ class AsyncFlagOnZeroConnector(OffloadConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         hits, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return hits, hits is not None
+
+
+class HitOneBlockShortConnector(OffloadConnectorScheduler):
+    """Answers a run of offloaded blocks found in the store one block short (off by one): the last block found is
+    recomputed instead of loaded."""
+
+    def _lookup(self, state):
+        hits = super()._lookup(state)
+        return max(hits - self.offloaded_block_size, 0) if hits else hits
+
+
+class AnswersDuringTransfersConnector(OffloadConnectorScheduler):
+    """A request that still has transfer jobs in flight — a preempted request's stores — is looked up and answered at
+    once instead of deferred (None) until they end."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        state = self.states[request.request_id]
+        in_flight, state.transfer_jobs = state.transfer_jobs, set()
+        try:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        finally:
+            state.transfer_jobs |= in_flight
+
+
+class HitWhileLoadingConnector(OffloadConnectorScheduler):
+    """A hit on blocks still being loaded for another request is answered at once instead of deferred (None) until
+    that load ends."""
+
+    def _lookup(self, state):
+        loading, self.keys_being_loaded = self.keys_being_loaded, set()
+        try:
+            return super()._lookup(state)
+        finally:
+            self.keys_being_loaded = loading | self.keys_being_loaded
 
 
 class LookupPastMissConnector(OffloadConnectorScheduler):
@@ -253,6 +288,30 @@ class CorruptingStoreWorker(OffloadConnectorWorker):
 # --- the engine --------------------------------------------------------------------------------
 
 
+class UncappedHitKVCacheManager(KVCacheManager):
+    """The local hit may cover every token of the request: it is not capped at `num_tokens - 1`."""
+
+    def get_computed_blocks(self, request):
+        if request.skip_reading_prefix_cache:
+            return [], 0
+        hit = []
+        for block_hash in request.block_hashes:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit, len(hit) * self.block_size
+
+
+class UncappedLocalHitEngine(Engine):
+    """A fully cached prompt is a local hit of every token: the request is scheduled none and the last token is never
+    recomputed (kv_cache_manager.py caps the hit at num_tokens - 1 so that the request samples)."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device)
+        self.kv = UncappedHitKVCacheManager(config.num_gpu_blocks, config.block_size)
+
+
 class LoadCoversLastTokenEngine(Engine):
     """A full-prompt load is taken as computing every token: the last token is never recomputed."""
 
@@ -443,7 +502,11 @@ MUTANTS = {
     "arc-lists-swapped": row(SwappedListsManager, "arc.py contract", "OFF-ARC-1"),
     "finishes-early": row(FinishesEarlyEngine, "scheduler contract", "LIFE-FIN-1"),
     "async-flag-on-zero": row(AsyncFlagOnZeroConnector, "base.py contract", "CONN-MATCH-2"),
-    "load-covers-last-token": row(LoadCoversLastTokenEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "hit-one-block-short": row(HitOneBlockShortConnector, "offloading scheduler contract", "CONN-MATCH-1"),
+    "load-covers-last-token": row(LoadCoversLastTokenEngine, "scheduler contract", "LIFE-LOAD-2"),
+    "local-hit-covers-last-token": row(UncappedLocalHitEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "answers-during-transfers": row(AnswersDuringTransfersConnector, "offloading scheduler contract", "CONN-MATCH-4"),
+    "hit-while-loading": row(HitWhileLoadingConnector, "offloading scheduler contract", "OFF-LOOKUP-4"),
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
     "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-1"),
     "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),
