@@ -18,6 +18,7 @@ import torch
 from kvconform.adapters.contract import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreJob, StoreSnapshot
 from kvconform.reference import kv_content
 from kvconform.reference.engine import Engine
+from kvconform.reference.kv_cache import NULL_BLOCK_ID
 from kvconform.reference.request import Request
 
 Kind = Literal["step", "store", "data", "reset", "drain", "connector", "connector-data", "connector-drain"]
@@ -151,6 +152,16 @@ def check_block_refs(ctx: Context, ref: StepObservation, sut: StepObservation) -
     if refs:
         ctx.exercise("CONF-OBS-2")
     ctx.identities(refs)
+
+
+@check("PFX-NULL-1")
+def check_null_block_unused(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The forward never writes the null block, physical block 0: it is never handed to a request."""
+    if sut.forward_writes:
+        ctx.exercise("PFX-NULL-1")
+    if NULL_BLOCK_ID in sut.forward_writes:
+        raise ClauseViolation("PFX-NULL-1", f"the forward wrote GPU blocks {sorted(sut.forward_writes)}, the null "
+                                            f"block {NULL_BLOCK_ID} among them: it was handed to a request")
 
 
 @check("CONN-MATCH-2", "CONN-MATCH-3")

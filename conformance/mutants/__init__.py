@@ -8,6 +8,7 @@ the bug back, so the kit's verdict on it says whether the clause really checks a
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvconform.adapters.contract import Capabilities, SpecLevel
@@ -15,7 +16,7 @@ from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
 from kvconform.reference.hashing import block_hashes
-from kvconform.reference.kv_cache import KVCacheManager
+from kvconform.reference.kv_cache import BlockPool, KVCacheManager
 from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
 from kvconform.reference.request import RequestStatus
 
@@ -288,6 +289,25 @@ class CorruptingStoreWorker(OffloadConnectorWorker):
 # --- the engine --------------------------------------------------------------------------------
 
 
+class NullBlockHandedOutPool(BlockPool):
+    """The pool hands out block 0, the null block, like any other (block_pool.py takes it off the free queue first)."""
+
+    def __init__(self, num_blocks):
+        super().__init__(num_blocks)
+        self.free_queue = OrderedDict.fromkeys(range(num_blocks))
+
+    def valid_ids(self, blocks):
+        return list(blocks)
+
+
+class NullBlockHandedOutEngine(Engine):
+    """The GPU block pool hands out the null block (PFX-NULL-1): a request's KV lands where padding goes."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device)
+        self.kv.pool = NullBlockHandedOutPool(config.num_gpu_blocks)
+
+
 class UncappedHitKVCacheManager(KVCacheManager):
     """The local hit may cover every token of the request: it is not capped at `num_tokens - 1`."""
 
@@ -505,6 +525,7 @@ MUTANTS = {
     "hit-one-block-short": row(HitOneBlockShortConnector, "offloading scheduler contract", "CONN-MATCH-1"),
     "load-covers-last-token": row(LoadCoversLastTokenEngine, "scheduler contract", "LIFE-LOAD-2"),
     "local-hit-covers-last-token": row(UncappedLocalHitEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "null-block-handed-out": row(NullBlockHandedOutEngine, "block_pool.py contract", "PFX-NULL-1"),
     "answers-during-transfers": row(AnswersDuringTransfersConnector, "offloading scheduler contract", "CONN-MATCH-4"),
     "hit-while-loading": row(HitWhileLoadingConnector, "offloading scheduler contract", "OFF-LOOKUP-4"),
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
