@@ -127,6 +127,11 @@ def _answers(observation: StepObservation, asked: set[str]) -> dict[str, tuple[i
             for a in observation.match_answers if a.request_id in asked}
 
 
+def _local_hits(observation: StepObservation, asked: set[str]) -> dict[str, int]:
+    """Return the local hit each of the `asked` requests was asked with."""
+    return {a.request_id: a.local_hit_tokens for a in observation.match_answers if a.request_id in asked}
+
+
 def _loads(observation: StepObservation) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
     """Return each request's load jobs as (offloaded blocks, first GPU block, GPU blocks), in a stable order."""
     loads: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
@@ -334,6 +339,18 @@ def check_block_holders_run(ctx: Context, ref: StepObservation, sut: StepObserva
             raise ClauseViolation("SCHED-ORDER-1", f"{stalled!r} holds GPU blocks and could not be admitted, which ends "
                                                    f"admission for the step: the reference stopped there, the adapter "
                                                    f"went on to {went_on}")
+
+
+@check("PFX-HIT-1")
+def check_local_hits(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Each request both engines asked was given the reference's local hit: the prefix cache's part of the answer.
+
+    Judged before the lookups and the connector's answer, which both start where the local hit ends.
+    """
+    asked = _asked_by_both(ref, sut)
+    if asked:
+        ctx.exercise("PFX-HIT-1")
+    _differ("PFX-HIT-1", "local hits (tokens the GPU prefix cache held)", _local_hits(ref, asked), _local_hits(sut, asked))
 
 
 @check("CONN-MATCH-4", "OFF-LOOKUP-3", "OFF-LOOKUP-4")

@@ -8,6 +8,7 @@ the bug back, so the kit's verdict on it says whether the clause really checks a
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -308,6 +309,24 @@ class NullBlockHandedOutEngine(Engine):
         self.kv.pool = NullBlockHandedOutPool(config.num_gpu_blocks)
 
 
+class HitsHeldBlocksOnlyKVCacheManager(KVCacheManager):
+    """The local hit stops at the first cached block that is free: a finished request's prefix is never hit again,
+    though its blocks keep their hashes until they are reused."""
+
+    def get_computed_blocks(self, request):
+        blocks, _ = super().get_computed_blocks(request)
+        held = list(itertools.takewhile(lambda block_id: self.pool.ref_counts[block_id] > 0, blocks))
+        return held, len(held) * self.block_size
+
+
+class HitsHeldBlocksOnlyEngine(Engine):
+    """The GPU prefix cache hits only blocks a running request still holds (PFX-HIT-1: free cached blocks hit too)."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device)
+        self.kv = HitsHeldBlocksOnlyKVCacheManager(config.num_gpu_blocks, config.block_size)
+
+
 class UncappedHitKVCacheManager(KVCacheManager):
     """The local hit may cover every token of the request: it is not capped at `num_tokens - 1`."""
 
@@ -525,6 +544,7 @@ MUTANTS = {
     "hit-one-block-short": row(HitOneBlockShortConnector, "offloading scheduler contract", "CONN-MATCH-1"),
     "load-covers-last-token": row(LoadCoversLastTokenEngine, "scheduler contract", "LIFE-LOAD-2"),
     "local-hit-covers-last-token": row(UncappedLocalHitEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "hits-held-blocks-only": row(HitsHeldBlocksOnlyEngine, "block_pool.py contract", "PFX-HIT-1"),
     "null-block-handed-out": row(NullBlockHandedOutEngine, "block_pool.py contract", "PFX-NULL-1"),
     "answers-during-transfers": row(AnswersDuringTransfersConnector, "offloading scheduler contract", "CONN-MATCH-4"),
     "hit-while-loading": row(HitWhileLoadingConnector, "offloading scheduler contract", "OFF-LOOKUP-4"),
