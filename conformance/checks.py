@@ -77,6 +77,8 @@ class Context:
     requests: dict[str, RequestSpec]
     oracle: Engine
     previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
+    previous_pinned: frozenset[bytes] = frozenset()
+    """The blocks, by identity, that loads still read at the end of the previous step (OFF-MGR-3)."""
     exercised: dict[str, int] = field(default_factory=dict)
     kv_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     hashes: dict[BlockRef, bytes] = field(default_factory=dict)
@@ -277,6 +279,22 @@ def _judge_kept_keys(ctx: Context, offer: StoreJob, held: set[bytes], evicted: t
     if lost:
         raise ClauseViolation("OFF-MGR-7", f"evicted {len(lost)} block(s) of {offer!r}, which it offered and the "
                                            f"store already held: evicted {evicted}")
+
+
+@check("OFF-MGR-3")
+def check_pinned_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The store never evicts a block a load still reads: one pinned at the end of the previous step, or by a load of
+    this step (prepare_store runs after the step's scheduling created its loads, before their completions)."""
+    evicted = list(dict.fromkeys([*sut.evicted, *(block for offer in sut.store_offers for block in offer.evicted)]))
+    if not evicted:
+        return
+    ctx.exercise("OFF-MGR-3")
+    loading = ctx.identities(BlockRef(request_id=load.request_id, index=index)
+                             for load in sut.loads for index in load.offload_indices)
+    pinned = ctx.identities(evicted) & (ctx.previous_pinned | loading)
+    if pinned:
+        raise ClauseViolation("OFF-MGR-3", f"evicted {len(pinned)} block(s) that a load still reads (pinned): "
+                                           f"evicted {evicted}")
 
 
 @check("OFF-STORE-2")

@@ -298,6 +298,7 @@ class Execution:
         store = self.expect("store_contents")
         self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
         self.ctx.previous_store = store
+        self.ctx.previous_pinned = frozenset(self.oracle.engine.manager.pinned_keys())
 
     def judge_resident_kv(self) -> None:
         """Read the KV of every request that must hold its computed tokens' KV now, and judge its bytes at each level:

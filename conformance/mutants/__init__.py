@@ -206,6 +206,17 @@ class TouchIgnoredLRUPolicy(LRUPolicy):
         return None
 
 
+class PinIgnoredLRUPolicy(LRUPolicy):
+    """LRU that leaves a block among the evictable ones, where it was, while a load pins it."""
+
+    def mark_pinned(self, key):
+        return None
+
+    def mark_evictable(self, key):
+        self.evictable.pop(key, None)
+        super().mark_evictable(key)
+
+
 class SwappedListsARCPolicy(ARCPolicy):
     """ARC that takes its victims from the frequency list T2 while T1 is at or above its target (lists swapped)."""
 
@@ -224,6 +235,35 @@ class TouchIgnoredManager(OffloadManager):
         super().__post_init__()
         if self.policy_name == "lru":
             self.policy = TouchIgnoredLRUPolicy(self.num_slots)
+
+
+class PinIgnoredARCPolicy(ARCPolicy):
+    """ARC that takes a block a load pins as a victim like an idle one."""
+
+    @staticmethod
+    def _first_idle(blocks, protected, taken):
+        return next((key for key, block in blocks.items()
+                     if block.is_ready and key not in protected and key not in taken), None)
+
+
+class EvictsPinnedManager(OffloadManager):
+    """The store evicts blocks a load still reads (OFF-MGR-3: a pinned block is never evicted); the load then reads
+    a slot that another block may overwrite. vLLM's CPU manager evicts only blocks whose ref_cnt is 0."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.policy = {"lru": PinIgnoredLRUPolicy, "arc": PinIgnoredARCPolicy}[self.policy_name](self.num_slots)
+
+    def prepare_load(self, keys):
+        evictable = self.num_evictable  # a pinned block stays evictable
+        slots = super().prepare_load(keys)
+        self.num_evictable = evictable
+        return slots
+
+    def complete_load(self, keys):
+        evictable = self.num_evictable
+        super().complete_load([key for key in keys if (block := self.policy.get(key)) and block.ref_count > 0])
+        self.num_evictable = evictable
 
 
 class SwappedListsManager(OffloadManager):
@@ -522,6 +562,7 @@ MUTANTS = {
     "store-before-compute": row(StoreBeforeComputeWorker, "#31341", "XFER-DATA-1"),
     "load-offset-ignored": row(LoadOffsetIgnoredConnector, "#28951", "XFER-DATA-1"),
     "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3", "OFF-LRU-1", "OFF-ARC-1"),
+    "evicts-pinned": row(EvictsPinnedManager, "cpu/manager.py contract", "OFF-MGR-3"),
     "arc-touch-unknown-key": row(UnknownKeyRaisesManager, "#34576", "OFF-MGR-4", "CONF-CALL-1"),
     "decoded-blocks-not-offloaded": row(DecodedBlocksNotOffloadedConnector, "#33881",
                                         "OFF-STORE-1", "OFF-READ-3"),
