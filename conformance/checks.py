@@ -368,7 +368,8 @@ def check_local_hits(ctx: Context, ref: StepObservation, sut: StepObservation) -
     asked = _asked_by_both(ref, sut)
     if asked:
         ctx.exercise("PFX-HIT-1")
-    _differ("PFX-HIT-1", "local hits (tokens the GPU prefix cache held)", _local_hits(ref, asked), _local_hits(sut, asked))
+    _differ("PFX-HIT-1", "local hits (tokens the GPU prefix cache held)", _local_hits(ref, asked),
+            _local_hits(sut, asked))
 
 
 @check("CONN-MATCH-4", "OFF-LOOKUP-3", "OFF-LOOKUP-4")

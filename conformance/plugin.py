@@ -119,7 +119,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         return
     terminalreporter.section("kvconform")
     terminalreporter.write_line(f"spec {run_report.spec_version}, adapter {run_report.adapter}: "
-                                f"{run_report.coverage.summary()} ({run_report.steps} steps judged)")
+                                f"{run_report.run_time_coverage.summary()} ({run_report.steps} steps judged)")
     for clause, reason in sorted(run_report.known_failures.items()):
         terminalreporter.write_line(f"known failure {clause}: {reason}")
     run = config.stash[RUN_OPTIONS]

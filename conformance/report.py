@@ -38,7 +38,7 @@ class ClauseResult(BaseModel):
     known_failure: str | None = Field(None, description="the first failure seen, for a known failure")
 
 
-class Coverage(BaseModel):
+class RunTimeCoverage(BaseModel):
     """Run-time coverage: of the MUST and MUST NOT clauses that count for the run — those of the spec levels it
     judged, and the rules of judging — how many a check judges at run time, and how those fared."""
 
@@ -86,7 +86,8 @@ class RunReport(BaseModel):
     program: list[dict] | None = Field(None, description="the same program as JSON operations, for `kvconform replay`")
     adapter_traceback: str | None = Field(description="the adapter's traceback, when it raised (CONF-CALL-1)")
     known_failures: dict[str, str] = Field(description="clause -> reason, from the known-failures file")
-    coverage: Coverage = Field(description="how many of the MUST clauses that count were judged at run time, and how")
+    run_time_coverage: RunTimeCoverage = Field(description="how many of the MUST clauses that count were judged at "
+                                                           "run time, and how those fared")
     clauses: list[ClauseResult] = Field(description="one verdict per clause of the spec")
 
 
@@ -115,7 +116,7 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         program=result.program,
         adapter_traceback=result.adapter_traceback, known_failures=known_failures or {},
-        coverage=coverage(clauses, result.levels), clauses=clauses,
+        run_time_coverage=run_time_coverage(clauses, result.levels), clauses=clauses,
     )
     run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
     return run_report
@@ -127,13 +128,13 @@ def counted(clauses: list[ClauseResult], levels: Iterable[SpecLevel]) -> list[Cl
     return [c for c in clauses if c.spec_level is None or c.spec_level in levels]
 
 
-def coverage(clauses: list[ClauseResult], levels: Iterable[SpecLevel]) -> Coverage:
+def run_time_coverage(clauses: list[ClauseResult], levels: Iterable[SpecLevel]) -> RunTimeCoverage:
     """Return the run-time coverage of the MUST and MUST NOT clauses that count for a run judging `levels`."""
     must = [c for c in counted(clauses, levels) if c.requirement.startswith("MUST")]
     judged = [c.verdict for c in must if c.checked_at_run_time]
-    return Coverage(must_clauses=len(must), judged_at_run_time=len(judged), passed=judged.count("pass"),
-                    failed=judged.count("fail"), known_failures=judged.count("known failure"),
-                    not_exercised=judged.count("not exercised"), model_only=len(must) - len(judged))
+    return RunTimeCoverage(must_clauses=len(must), judged_at_run_time=len(judged), passed=judged.count("pass"),
+                           failed=judged.count("fail"), known_failures=judged.count("known failure"),
+                           not_exercised=judged.count("not exercised"), model_only=len(must) - len(judged))
 
 
 def certification_gaps(run_report: RunReport, level: SpecLevel | None = None) -> list[str]:
@@ -160,7 +161,8 @@ def junit_xml(run_report: RunReport) -> str:
     for name in ("kvconform_version", "spec_version", "adapter", "implementation_version", "profile", "seed",
                  "scheduling", "levels", "certified_levels", "outcome"):
         ElementTree.SubElement(properties, "property", name=name, value=str(getattr(run_report, name)))
-    ElementTree.SubElement(properties, "property", name="coverage", value=run_report.coverage.summary())
+    ElementTree.SubElement(properties, "property", name="run_time_coverage",
+                           value=run_report.run_time_coverage.summary())
     for clause in run_report.clauses:
         case = ElementTree.SubElement(suite, "testcase", classname=f"kvconform.{clause.chapter.removesuffix('.md')}",
                                       name=f"{clause.id} ({clause.requirement})")

@@ -86,8 +86,8 @@ ROWS_THAT_MATTER = ("fail", "known failure", "not exercised")
 
 def _print_table(console: Console, run_report, verbose: bool = False) -> None:
     """Print the run-time coverage line, then the clauses of the judged levels that matter (every one if `verbose`)."""
-    console.print(f"kvconform spec {run_report.spec_version}: {run_report.adapter}: {run_report.coverage.summary()}",
-                  soft_wrap=True)
+    coverage = run_report.run_time_coverage.summary()
+    console.print(f"kvconform spec {run_report.spec_version}: {run_report.adapter}: {coverage}", soft_wrap=True)
     rows = [clause for clause in report.counted(run_report.clauses, run_report.levels)
             if verbose or clause.verdict in ROWS_THAT_MATTER]
     if rows:
@@ -225,8 +225,8 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
     stdout = _stdout()
     stdout.print(table)
     killed = sum(kill.verdict == "killed" for kill in kill_report.kills)
-    stdout.print(f"reference {'passed' if kill_report.reference_passed else 'FAILED: ' + kill_report.reference_failure}; "
-                    f"{killed}/{len(kill_report.kills)} mutants killed by a clause their row names")
+    reference = "passed" if kill_report.reference_passed else f"FAILED: {kill_report.reference_failure}"
+    stdout.print(f"reference {reference}; {killed}/{len(kill_report.kills)} mutants killed by a clause their row names")
     if report_path is not None:
         report.write_atomically(report_path, kill_report.model_dump_json(indent=2))
     sys.exit(EXIT_CONFORMANT if kill_report.passed else EXIT_NONCONFORMANT)

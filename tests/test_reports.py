@@ -107,21 +107,22 @@ def test_reports_and_certify(tmp_path: Path) -> None:
     assert len(cases) == len(registry.clauses()) == int(suite.get("tests"))
     assert int(suite.get("failures")) == 0
     assert {c.get("name").split()[0] for c in cases} == set(registry.clauses())
-    skipped = {c.get("name").split()[0]: c.find("skipped").get("message") for c in cases if c.find("skipped") is not None}
+    skipped = {c.get("name").split()[0]: c.find("skipped").get("message")
+               for c in cases if c.find("skipped") is not None}
     model_only = {c.id: c.model_only for c in registry.clauses().values() if c.model_only}
     assert skipped == {clause: f"model-only: {reason}" for clause, reason in model_only.items()}
-    coverage = RunReport.model_validate(written).coverage
+    coverage = RunReport.model_validate(written).run_time_coverage
     assert stdout.startswith(f"kvconform spec {registry.spec_version()}: reference: {coverage.summary()}\n"), stdout
     assert not any(clause in stdout for clause in registry.clauses()), stdout
 
 
-def test_coverage_counts_the_must_clauses_of_the_judged_levels() -> None:
-    """The coverage summary: the MUST clauses of the judged levels and the rules of judging, split into those judged at
+def test_run_time_coverage_counts_the_must_clauses_of_the_judged_levels() -> None:
+    """The run-time coverage: the MUST clauses of the judged levels and the rules of judging, split into those judged at
     run time (by verdict) and the model-only ones; a connector-level adapter counts only its level's."""
     for adapter, levels in ((ReferenceAdapter, {"connector", "offloading"}),
                             (black_box(ReferenceAdapter), {"connector"})):
         result = runner.run(adapter, "reference", "smoke")
-        coverage = build(result, "x", Capabilities()).coverage
+        coverage = build(result, "x", Capabilities()).run_time_coverage
         must = [c for c in registry.clauses().values()
                 if c.requirement.startswith("MUST") and (c.spec_level is None or c.spec_level in levels)]
         judged = [c for c in must if c.id in run_time_clauses()]

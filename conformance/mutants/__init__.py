@@ -69,8 +69,8 @@ class HitOneBlockShortConnector(OffloadConnectorScheduler):
 
 
 class AnswersDuringTransfersConnector(OffloadConnectorScheduler):
-    """A request that still has transfer jobs in flight — a preempted request's stores — is looked up and answered at
-    once instead of deferred (None) until they end."""
+    """A request that still has transfer jobs in flight — a preempted request's stores — is looked up and answered
+    at once instead of deferred (None) until they end."""
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         state = self.states[request.request_id]
