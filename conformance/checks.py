@@ -18,11 +18,13 @@ import torch
 from kvconform.adapters.contract import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreJob, StoreSnapshot
 from kvconform.reference import kv_content
 from kvconform.reference.engine import Engine
+from kvconform.reference.kv_cache import NULL_BLOCK_ID
 from kvconform.reference.request import Request
 
-Kind = Literal["step", "store", "data", "drain", "connector", "connector-data", "connector-drain"]
-"""What a check judges: a step, the store or the KV bytes against the reference, or the drained engine
-(offloading level); a step, the bytes or the drained engine on the adapter's own schedule (`connector_level.py`)."""
+Kind = Literal["step", "store", "data", "reset", "drain", "connector", "connector-data", "connector-drain"]
+"""What a check judges: a step, the store, the KV bytes or the answer to a prefix-cache reset against the reference,
+or the drained engine (offloading level); a step, the bytes or the drained engine on the adapter's own schedule
+(`connector_level.py`)."""
 
 
 class ClauseViolation(AssertionError):
@@ -62,6 +64,11 @@ def checks_of(kind: Kind) -> list[Check]:
     return [c for c in CHECKS.values() if c.kind == kind]
 
 
+def run_time_clauses() -> set[str]:
+    """Return the clauses judged against an adapter at run time: those a registered check is registered for."""
+    return {clause for each in CHECKS.values() for clause in each.clauses}
+
+
 @dataclass
 class Context:
     """What checks may consult besides the two observations: the config, the requests, the oracle."""
@@ -70,6 +77,8 @@ class Context:
     requests: dict[str, RequestSpec]
     oracle: Engine
     previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
+    previous_pinned: frozenset[bytes] = frozenset()
+    """The blocks, by identity, that loads still read at the end of the previous step (OFF-MGR-3)."""
     exercised: dict[str, int] = field(default_factory=dict)
     kv_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     hashes: dict[BlockRef, bytes] = field(default_factory=dict)
@@ -120,6 +129,11 @@ def _answers(observation: StepObservation, asked: set[str]) -> dict[str, tuple[i
             for a in observation.match_answers if a.request_id in asked}
 
 
+def _local_hits(observation: StepObservation, asked: set[str]) -> dict[str, int]:
+    """Return the local hit each of the `asked` requests was asked with."""
+    return {a.request_id: a.local_hit_tokens for a in observation.match_answers if a.request_id in asked}
+
+
 def _loads(observation: StepObservation) -> dict[str, list[tuple[tuple[int, ...], int, int]]]:
     """Return each request's load jobs as (offloaded blocks, first GPU block, GPU blocks), in a stable order."""
     loads: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
@@ -136,6 +150,25 @@ def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
 
 
 # --- absolute rules on the adapter's own observation ------------------------------------------
+
+
+@check("CONF-OBS-2")
+def check_block_refs(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Every BlockRef the adapter reports names a full offloaded block of a request the harness added."""
+    refs = [*sut.evicted, *(evicted for offer in sut.store_offers for evicted in offer.evicted), *sut.touches]
+    if refs:
+        ctx.exercise("CONF-OBS-2")
+    ctx.identities(refs)
+
+
+@check("PFX-NULL-1")
+def check_null_block_unused(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The forward never writes the null block, physical block 0: it is never handed to a request."""
+    if sut.forward_writes:
+        ctx.exercise("PFX-NULL-1")
+    if NULL_BLOCK_ID in sut.forward_writes:
+        raise ClauseViolation("PFX-NULL-1", f"the forward wrote GPU blocks {sorted(sut.forward_writes)}, the null "
+                                            f"block {NULL_BLOCK_ID} among them: it was handed to a request")
 
 
 @check("CONN-MATCH-2", "CONN-MATCH-3")
@@ -169,14 +202,21 @@ def check_skip_read(ctx: Context, ref: StepObservation, sut: StepObservation) ->
             raise ClauseViolation("OFF-READ-2", f"skip-read request got a load {load!r}")
 
 
-@check("PFX-HIT-3")
+@check("PFX-HIT-3", "LIFE-LOAD-2")
 def check_last_token_computed(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """Every scheduled request computes at least one token: hits never cover the last prompt token."""
+    """Every scheduled request computes at least one token: neither a local hit nor a finished load covers the last.
+
+    A request the reference runs in this step after waiting for its load is judged by LIFE-LOAD-2, any other by
+    PFX-HIT-3.
+    """
+    loaded = set(ctx.oracle.resumed)
     for request_id, num_tokens in sut.scheduled_tokens.items():
-        ctx.exercise("PFX-HIT-3")
+        clause = "LIFE-LOAD-2" if request_id in loaded else "PFX-HIT-3"
+        ctx.exercise(clause)
         if num_tokens < 1:
-            raise ClauseViolation("PFX-HIT-3", f"request {request_id!r} was scheduled {num_tokens} tokens: its "
-                                               "hit covered every token, so the last one was never recomputed")
+            cover = "its finished load" if clause == "LIFE-LOAD-2" else "its hit"
+            raise ClauseViolation(clause, f"request {request_id!r} was scheduled {num_tokens} tokens: {cover} "
+                                          "covered every token, so the last one was never recomputed")
 
 
 @check("CONN-LOAD-2")
@@ -241,6 +281,22 @@ def _judge_kept_keys(ctx: Context, offer: StoreJob, held: set[bytes], evicted: t
                                            f"store already held: evicted {evicted}")
 
 
+@check("OFF-MGR-3")
+def check_pinned_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The store never evicts a block a load still reads: one pinned at the end of the previous step, or by a load of
+    this step (prepare_store runs after the step's scheduling created its loads, before their completions)."""
+    evicted = list(dict.fromkeys([*sut.evicted, *(block for offer in sut.store_offers for block in offer.evicted)]))
+    if not evicted:
+        return
+    ctx.exercise("OFF-MGR-3")
+    loading = ctx.identities(BlockRef(request_id=load.request_id, index=index)
+                             for load in sut.loads for index in load.offload_indices)
+    pinned = ctx.identities(evicted) & (ctx.previous_pinned | loading)
+    if pinned:
+        raise ClauseViolation("OFF-MGR-3", f"evicted {len(pinned)} block(s) that a load still reads (pinned): "
+                                           f"evicted {evicted}")
+
+
 @check("OFF-STORE-2")
 def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every block written to the store was offered for that request in the same step."""
@@ -301,6 +357,43 @@ def check_block_holders_run(ctx: Context, ref: StepObservation, sut: StepObserva
             raise ClauseViolation("SCHED-ORDER-1", f"{stalled!r} holds GPU blocks and could not be admitted, which ends "
                                                    f"admission for the step: the reference stopped there, the adapter "
                                                    f"went on to {went_on}")
+
+
+@check("PFX-HIT-1")
+def check_local_hits(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Each request both engines asked was given the reference's local hit: the prefix cache's part of the answer.
+
+    Judged before the lookups and the connector's answer, which both start where the local hit ends.
+    """
+    asked = _asked_by_both(ref, sut)
+    if asked:
+        ctx.exercise("PFX-HIT-1")
+    _differ("PFX-HIT-1", "local hits (tokens the GPU prefix cache held)", _local_hits(ref, asked),
+            _local_hits(sut, asked))
+
+
+@check("CONN-MATCH-4", "OFF-LOOKUP-3", "OFF-LOOKUP-4")
+def check_deferrals(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A request the reference defers (None) is deferred: while it has transfers in flight (asked without a lookup),
+    while a block of its hit is being stored, or while one is being loaded for another request.
+
+    Judged before the lookups and answers: a missing deferral shows there first, and this names its cause.
+    """
+    asked = _asked_by_both(ref, sut)
+    expected, actual = _answers(ref, asked), _answers(sut, asked)
+    storing = ctx.identities(ctx.previous_store.storing)
+    for request_id in sorted(r for r, (_, tokens, _) in expected.items() if tokens is None):
+        looked_up = ref.lookups.get(request_id, ())
+        if not looked_up:
+            clause, cause = "CONN-MATCH-4", "it still has transfer jobs in flight"
+        elif ctx.identities(BlockRef(request_id=request_id, index=i) for i in looked_up) & storing:
+            clause, cause = "OFF-LOOKUP-3", "a block of its hit is still being stored"
+        else:
+            clause, cause = "OFF-LOOKUP-4", "a block of its hit is being loaded for another request"
+        ctx.exercise(clause)
+        if actual[request_id][1] is not None:
+            raise ClauseViolation(clause, f"request {request_id!r}: {cause}, so it must be answered None (ask again "
+                                          f"later); the adapter answered {actual[request_id][1]} external tokens")
 
 
 @check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
@@ -438,6 +531,13 @@ def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> Non
         wrong = (kv != expected).any(dim=1).nonzero().flatten().tolist()
         raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong[:8]} differ "
                                              "from what the forward wrote for that prefix (corrupt, stale or misplaced load)")
+
+
+@check("PFX-RESET-1", kind="reset")
+def check_reset_answer(ctx: Context, ref: bool, sut: bool) -> None:
+    """reset_prefix_cache gives the reference's answer: refused while a GPU block is used, done otherwise."""
+    ctx.exercise("PFX-RESET-1")
+    _differ("PFX-RESET-1", "answer of reset_prefix_cache", ref, sut)
 
 
 # --- once the engine is drained ----------------------------------------------------------------

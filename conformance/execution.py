@@ -248,10 +248,8 @@ class Execution:
         actual = self.call("reset_prefix_cache", reset_connector)
         if self.oracle is None:
             return
-        expected = self.expect("reset_prefix_cache", reset_connector)
-        self.ctx.exercise("PFX-RESET-1")
-        if expected != actual:
-            raise ClauseViolation("PFX-RESET-1", f"reset_prefix_cache returned {actual!r}, reference {expected!r}")
+        self.judge(f"adapter.reset_prefix_cache({reset_connector!r})", "reset",
+                   self.expect("reset_prefix_cache", reset_connector), actual)
 
     def _drain(self) -> None:
         """Complete every transfer and step until the engine is idle, then check for leaks and liveness."""
@@ -300,6 +298,7 @@ class Execution:
         store = self.expect("store_contents")
         self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
         self.ctx.previous_store = store
+        self.ctx.previous_pinned = frozenset(self.oracle.engine.manager.pinned_keys())
 
     def judge_resident_kv(self) -> None:
         """Read the KV of every request that must hold its computed tokens' KV now, and judge its bytes at each level:

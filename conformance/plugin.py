@@ -141,11 +141,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     run_report = config.stash.get(RUN_REPORT, None)
     if run_report is None:
         return
-    verdicts = [clause.verdict for clause in run_report.clauses]
-    counts = ", ".join(f"{verdicts.count(v)} {v}" for v in ("pass", "fail", "known failure", "not exercised"))
     terminalreporter.section("kvconform")
-    terminalreporter.write_line(f"spec {run_report.spec_version}, adapter {run_report.adapter}: {counts} "
-                                f"({run_report.steps} steps judged)")
+    terminalreporter.write_line(f"spec {run_report.spec_version}, adapter {run_report.adapter}: "
+                                f"{run_report.run_time_coverage.summary()} ({run_report.steps} steps judged)")
     for clause, reason in sorted(run_report.known_failures.items()):
         terminalreporter.write_line(f"known failure {clause}: {reason}")
     run = config.stash[RUN_OPTIONS]

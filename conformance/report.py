@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -13,12 +14,12 @@ from pydantic import BaseModel, Field
 
 import kvconform
 from kvconform.adapters.contract import Capabilities, SpecLevel
-from kvconform.conformance.checks import CHECKS
+from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.machine import Scheduling
 from kvconform.conformance.runner import Outcome, RunResult
 from kvconform.spec import registry
 
-Verdict = Literal["pass", "fail", "not exercised", "known failure"]
+Verdict = Literal["pass", "fail", "not exercised", "known failure", "model-only"]
 
 
 class ClauseResult(BaseModel):
@@ -31,8 +32,30 @@ class ClauseResult(BaseModel):
     chapter: str = Field(description="the spec chapter file that defines it")
     verdict: Verdict
     exercised: int = Field(description="times a check compared an observation under this clause")
-    checked_at_run_time: bool = Field(description="a registered check tests it; else only the reference's unit tests")
+    checked_at_run_time: bool = Field(description="a registered check judges it against the adapter at run time")
+    model_only: str | None = Field(None, description="why no run-time check can judge it (the spec's `Model-only:` "
+                                                     "line): it is tested on the reference alone")
     known_failure: str | None = Field(None, description="the first failure seen, for a known failure")
+
+
+class RunTimeCoverage(BaseModel):
+    """Run-time coverage: of the MUST and MUST NOT clauses that count for the run — those of the spec levels it
+    judged, and the rules of judging — how many a check judges at run time, and how those fared."""
+
+    must_clauses: int = Field(description="MUST and MUST NOT clauses of the judged levels and the rules of judging")
+    judged_at_run_time: int = Field(description="of them, those a registered check judges against the adapter")
+    passed: int = Field(description="judged at run time, exercised, and never broken")
+    failed: int = Field(description="judged at run time and broken: the run's failed clause")
+    known_failures: int = Field(description="judged at run time and listed as known failures")
+    not_exercised: int = Field(description="judged at run time, but nothing in this run reached them")
+    model_only: int = Field(description="no run-time check can judge them: tested on the reference alone")
+
+    def summary(self) -> str:
+        """Return the coverage as one line, as the CLI and the pytest plugin print it."""
+        share = f" ({self.judged_at_run_time / self.must_clauses:.0%})" if self.must_clauses else ""
+        return (f"{self.judged_at_run_time}/{self.must_clauses} MUST clauses judged at run time{share}: "
+                f"{self.passed} passed, {self.failed} failed, {self.known_failures} known failures, "
+                f"{self.not_exercised} not exercised; {self.model_only} model-only")
 
 
 class RunReport(BaseModel):
@@ -63,23 +86,26 @@ class RunReport(BaseModel):
     program: list[dict] | None = Field(None, description="the same program as JSON operations, for `kvconform replay`")
     adapter_traceback: str | None = Field(description="the adapter's traceback, when it raised (CONF-CALL-1)")
     known_failures: dict[str, str] = Field(description="clause -> reason, from the known-failures file")
+    run_time_coverage: RunTimeCoverage = Field(description="how many of the MUST clauses that count were judged at "
+                                                           "run time, and how those fared")
     clauses: list[ClauseResult] = Field(description="one verdict per clause of the spec")
 
 
 def build(result: RunResult, implementation_version: str, capabilities: Capabilities,
           known_failures: dict[str, str] | None = None) -> RunReport:
     """Return the report of a run: a verdict for every clause of the spec."""
-    runtime_checked = {clause for each in CHECKS.values() for clause in each.clauses}
+    runtime_checked = run_time_clauses()
     clauses = []
     for clause in registry.clauses().values():
         count = result.coverage.get(clause.id, 0)
         verdict: Verdict = ("fail" if clause.id == result.failed_clause else
                             "known failure" if clause.id in result.known_failures else
+                            "model-only" if clause.model_only else
                             "pass" if count else "not exercised")
         clauses.append(ClauseResult(id=clause.id, requirement=clause.requirement, spec_level=clause.spec_level,
                                     chapter=clause.chapter, verdict=verdict,
                                     exercised=count, checked_at_run_time=clause.id in runtime_checked,
-                                    known_failure=result.known_failures.get(clause.id)))
+                                    model_only=clause.model_only, known_failure=result.known_failures.get(clause.id)))
     run_report = RunReport(
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
@@ -89,17 +115,32 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         found_after=None if result.found_after is None else round(result.found_after, 3), rules=result.rules, steps=result.steps,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         program=result.program,
-        adapter_traceback=result.adapter_traceback, known_failures=known_failures or {}, clauses=clauses,
+        adapter_traceback=result.adapter_traceback, known_failures=known_failures or {},
+        run_time_coverage=run_time_coverage(clauses, result.levels), clauses=clauses,
     )
     run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
     return run_report
 
 
+def counted(clauses: list[ClauseResult], levels: Iterable[SpecLevel]) -> list[ClauseResult]:
+    """Return the clauses that count for a run judging `levels`: theirs, and the rules of judging (CONF-CERT-1)."""
+    levels = set(levels)
+    return [c for c in clauses if c.spec_level is None or c.spec_level in levels]
+
+
+def run_time_coverage(clauses: list[ClauseResult], levels: Iterable[SpecLevel]) -> RunTimeCoverage:
+    """Return the run-time coverage of the MUST and MUST NOT clauses that count for a run judging `levels`."""
+    must = [c for c in counted(clauses, levels) if c.requirement.startswith("MUST")]
+    judged = [c.verdict for c in must if c.checked_at_run_time]
+    return RunTimeCoverage(must_clauses=len(must), judged_at_run_time=len(judged), passed=judged.count("pass"),
+                           failed=judged.count("fail"), known_failures=judged.count("known failure"),
+                           not_exercised=judged.count("not exercised"), model_only=len(must) - len(judged))
+
+
 def certification_gaps(run_report: RunReport, level: SpecLevel | None = None) -> list[str]:
     """Return why the run does not certify the adapter at `level` (default: at every level it judged); empty when it
     does (CONF-CERT-1). Only the clauses of that level, and the rules of judging, count."""
-    levels = run_report.levels if level is None else [level]
-    judged = [c for c in run_report.clauses if c.spec_level is None or c.spec_level in levels]
+    judged = counted(run_report.clauses, run_report.levels if level is None else [level])
     gaps = [] if run_report.passed else [f"the run failed: {run_report.failed_clause}"]
     judged_ids = {c.id for c in judged}
     gaps += [f"{clause}: known failure ({reason})" for clause, reason in sorted(run_report.known_failures.items())
@@ -120,6 +161,8 @@ def junit_xml(run_report: RunReport) -> str:
     for name in ("kvconform_version", "spec_version", "adapter", "implementation_version", "profile", "seed",
                  "scheduling", "levels", "certified_levels", "outcome"):
         ElementTree.SubElement(properties, "property", name=name, value=str(getattr(run_report, name)))
+    ElementTree.SubElement(properties, "property", name="run_time_coverage",
+                           value=run_report.run_time_coverage.summary())
     for clause in run_report.clauses:
         case = ElementTree.SubElement(suite, "testcase", classname=f"kvconform.{clause.chapter.removesuffix('.md')}",
                                       name=f"{clause.id} ({clause.requirement})")
@@ -130,6 +173,8 @@ def junit_xml(run_report: RunReport) -> str:
             ElementTree.SubElement(case, "skipped", message=f"known failure: {run_report.known_failures[clause.id]}")
         elif clause.verdict == "not exercised":
             ElementTree.SubElement(case, "skipped", message="not exercised by this run")
+        elif clause.verdict == "model-only":
+            ElementTree.SubElement(case, "skipped", message=f"model-only: {clause.model_only}")
     root = ElementTree.Element("testsuites")
     root.append(suite)
     ElementTree.indent(root)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvconform.conformance import options
+from kvconform.conformance import options, report
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
 from kvconform.conformance.profiles import PROFILES
 
@@ -45,9 +45,11 @@ def main() -> None:
 @click.option("--connector-config", default=None, help="For --adapter vllm-connector: kv_connector_extra_config, JSON")
 @click.option("--connector-manifest", default=None,
               help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields")
+@click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str,
-                connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
+                connector: str | None, connector_config: str | None, connector_manifest: str | None,
+                verbose: bool) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
     options.select_connector(connector, connector_config, connector_manifest)
@@ -67,7 +69,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     except KeyboardInterrupt:
         click.echo("kvconform: interrupted; no report written", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    _print_table(_stdout(), run_report)
+    _print_table(_stdout(), run_report, verbose)
     try:
         options.write_reports(run, run_report)
     except options.UsageProblem as problem:
@@ -78,16 +80,28 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     sys.exit(EXIT_CONFORMANT if run_report.passed and not gaps else EXIT_NONCONFORMANT)
 
 
-def _print_table(console: Console, run_report) -> None:
-    table = Table(title=f"kvconform spec {run_report.spec_version}: {run_report.adapter}")
-    for column in ("clause", "requirement", "level", "verdict", "exercised"):
-        table.add_column(column)
-    style = {"pass": "green", "fail": "bold red", "not exercised": "yellow", "known failure": "magenta"}
-    for clause in run_report.clauses:
-        if clause.spec_level is None or clause.spec_level in run_report.levels:
+ROWS_THAT_MATTER = ("fail", "known failure", "not exercised")
+"""The verdicts the clause table lists without --verbose: what a reader has to act on or know is unjudged."""
+
+
+def _print_table(console: Console, run_report, verbose: bool = False) -> None:
+    """Print the run-time coverage line, then the clauses of the judged levels that matter (every one if `verbose`)."""
+    coverage = run_report.run_time_coverage.summary()
+    console.print(f"kvconform spec {run_report.spec_version}: {run_report.adapter}: {coverage}", soft_wrap=True)
+    rows = [clause for clause in report.counted(run_report.clauses, run_report.levels)
+            if verbose or clause.verdict in ROWS_THAT_MATTER]
+    if rows:
+        table = Table()
+        for column in ("clause", "requirement", "level", "verdict", "exercised"):
+            table.add_column(column)
+        style = {"pass": "green", "fail": "bold red", "not exercised": "yellow", "known failure": "magenta",
+                 "model-only": "dim"}
+        for clause in rows:
             table.add_row(clause.id, clause.requirement, clause.spec_level or "every",
                           f"[{style[clause.verdict]}]{clause.verdict}[/]", str(clause.exercised))
-    console.print(table)
+        console.print(table)
+    if not verbose:
+        console.print("(--verbose lists every clause)")
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}")
     if run_report.outcome == "ok":
@@ -186,7 +200,6 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
     """Run the kit against the reference and every mutant of the bug catalogue; fail if one survives."""
     from kvconform.conformance.mutants import MUTANTS
     from kvconform.conformance.mutants.kills import kill_all
-    from kvconform.conformance.report import write_atomically
 
     names = sorted(MUTANTS) if only is None else [name.strip() for name in only.split(",") if name.strip()]
     unknown = sorted(set(names) - set(MUTANTS))
@@ -199,24 +212,24 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
             _usage_error(str(problem))
     console = Console(stderr=True)
     console.print(f"kvconform: the reference and {len(names)} mutant(s), profile {profile}, {options.seed_words(seed)}")
-    report = kill_all(names, profile, seed, on_kill=lambda kill: console.print(
+    kill_report = kill_all(names, profile, seed, on_kill=lambda kill: console.print(
         f"  {kill.mutant}: {kill.verdict} ({kill.failed_clause or 'no failure'}) in {kill.seconds:.1f}s"))
-    table = Table(title=f"kvconform spec {report.spec_version}: mutants, profile {profile}")
+    table = Table(title=f"kvconform spec {kill_report.spec_version}: mutants, profile {profile}")
     for column in ("mutant", "vLLM", "verdict", "clause", "found after", "time to kill", "requests", "calls"):
         table.add_column(column)
     style = {"killed": "green", "killed by another clause": "yellow", "survived": "bold red"}
-    for kill in report.kills:
+    for kill in kill_report.kills:
         found = "" if kill.found_after is None else f"{kill.found_after:.1f}s"
         table.add_row(kill.mutant, kill.vllm_ref, f"[{style[kill.verdict]}]{kill.verdict}[/]", kill.failed_clause or "",
                       found, f"{kill.seconds:.1f}s", str(kill.requests), str(kill.calls))
     stdout = _stdout()
     stdout.print(table)
-    killed = sum(kill.verdict == "killed" for kill in report.kills)
-    stdout.print(f"reference {'passed' if report.reference_passed else 'FAILED: ' + report.reference_failure}; "
-                    f"{killed}/{len(report.kills)} mutants killed by a clause their row names")
+    killed = sum(kill.verdict == "killed" for kill in kill_report.kills)
+    reference = "passed" if kill_report.reference_passed else f"FAILED: {kill_report.reference_failure}"
+    stdout.print(f"reference {reference}; {killed}/{len(kill_report.kills)} mutants killed by a clause their row names")
     if report_path is not None:
-        write_atomically(report_path, report.model_dump_json(indent=2))
-    sys.exit(EXIT_CONFORMANT if report.passed else EXIT_NONCONFORMANT)
+        report.write_atomically(report_path, kill_report.model_dump_json(indent=2))
+    sys.exit(EXIT_CONFORMANT if kill_report.passed else EXIT_NONCONFORMANT)
 
 
 @main.command("bench")

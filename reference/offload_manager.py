@@ -281,9 +281,13 @@ class OffloadManager:
         """Return every held block with its status, in no particular order."""
         return self.policy.contents()
 
+    def pinned_keys(self) -> set[OffloadKey]:
+        """Return the keys of the blocks a load still reads (OFF-MGR-3)."""
+        return {key for key, block in self.contents() if block.ref_count > 0}
+
     def num_pinned(self) -> int:
         """Return how many blocks a load still reads (LIFE-LEAK-1)."""
-        return sum(1 for _, block in self.contents() if block.ref_count > 0)
+        return len(self.pinned_keys())
 
     def take_events(self) -> list[StoreEvent]:
         events, self.events = self.events, []

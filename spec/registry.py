@@ -8,6 +8,9 @@ realise it and the checks that test it, then the normative text:
     Realised by `reference.connector.OffloadConnectorScheduler.get_num_new_matched_tokens` · checked by `check_skip_read`
 
     A request that must not read cached KV **MUST NOT** be looked up in the store.
+
+A clause that no run-time check can judge against an adapter has, right after that line, a line
+`Model-only: REASON` saying why: it is tested on the reference (and the kit) alone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from importlib import resources
 
 HEADING = re.compile(r"^## (?P<id>[A-Z]+(?:-[A-Z]+)*-\d+) — (?P<requirement>MUST NOT|MUST|SHOULD|MAY)\s*$")
 TRACE = re.compile(r"^Realised by (?P<symbols>.+?) · checked by (?P<checks>.+)$")
+MODEL_ONLY = re.compile(r"^Model-only: (?P<reason>\S.*)$")
 CODE = re.compile(r"`([^`]+)`")
 
 
@@ -34,6 +38,8 @@ class Clause:
     symbols: tuple[str, ...]
     checks: tuple[str, ...]
     text: str
+    model_only: str | None = None
+    """Why no run-time check judges the clause against an adapter; None for a clause judged at run time."""
 
     @property
     def spec_level(self) -> str | None:
@@ -65,8 +71,11 @@ def parse_chapter(name: str, text: str) -> list[Clause]:
         trace = TRACE.match(body[0]) if body else None
         if trace is None:
             raise SpecFormatError(f"{name}:{number + 2}: clause {heading['id']} lacks 'Realised by … · checked by …'")
+        model_only = MODEL_ONLY.match(body[1]) if len(body) > 1 else None
+        text = body[2:] if model_only else body[1:]
         clauses.append(Clause(heading["id"], heading["requirement"], name, tuple(CODE.findall(trace["symbols"])),
-                              tuple(CODE.findall(trace["checks"])), "\n".join(body[1:]).strip()))
+                              tuple(CODE.findall(trace["checks"])), "\n".join(text).strip(),
+                              model_only and model_only["reason"]))
     return clauses
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconform.conformance.checks import CHECKS
+from kvconform.conformance.checks import CHECKS, run_time_clauses
 from kvconform.conformance.report import RunReport
 from kvconform.spec import registry
 
@@ -50,6 +50,19 @@ def test_clause_is_rendered_in_its_chapter(site: Path, clause_id: str) -> None:
     for check in clause.checks:
         if check in CHECKS:
             assert CHECKS[check].doc in section
+    judged = "Model-only: not judged against an adapter at run time" if clause.model_only else "Judged at run time"
+    assert f'<p class="admonition-title">{judged}</p>' in section, f"{clause_id}: how it is judged is not shown"
+
+
+def test_clause_index_shows_run_time_coverage(site: Path) -> None:
+    """The clause index gives the run-time coverage of the MUST clauses and, per clause, the checks or model-only."""
+    html = page(site, "spec")
+    must = [c for c in registry.clauses().values() if c.requirement.startswith("MUST")]
+    judged = sum(c.id in run_time_clauses() for c in must)
+    assert re.search(rf"a run judging both levels</td>\s*<td>{judged} of {len(must)} ", html), "coverage row missing"
+    for clause in registry.clauses().values():
+        row = html.split(f'>{clause.id}</a>', 1)[1].split("</tr>", 1)[0]
+        assert ("model-only" in row) == bool(clause.model_only), f"{clause.id}: {row}"
 
 
 @pytest.mark.parametrize("clause_id", sorted(registry.clauses()))
@@ -75,6 +88,7 @@ def test_report_schema_is_published(site: Path) -> None:
     assert {k: v for k, v in published.items() if k != "$schema"} == RunReport.model_json_schema()
     html = page(site, "reports")
     assert "report.schema.json" in html and "known_failures" in html and "checked_at_run_time" in html
+    assert "model_only" in html and "MUST clauses judged at run time" in html
 
 
 def test_scenario_schema_is_published(site: Path) -> None:

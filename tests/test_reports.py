@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
 from click.testing import CliRunner
 
+from kvconform.adapters.contract import Capabilities
+from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.cli import main
 from kvconform.conformance import baseline, runner
-from kvconform.conformance.mutants import MUTANTS
+from kvconform.conformance.checks import run_time_clauses
+from kvconform.conformance.mutants import MUTANTS, black_box
+from kvconform.conformance.report import RunReport, build
 from kvconform.spec import registry
 from faulty_adapters import failing_reset
 
@@ -19,6 +24,12 @@ from faulty_adapters import failing_reset
 def run(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(main, ["run", *args])
     return result.exit_code, result.stderr
+
+
+def run_printing(*args: str) -> tuple[int, str]:
+    """Return the exit code and what `kvconform run` printed on stdout: the coverage line and the clause table."""
+    result = CliRunner().invoke(main, ["run", *args])
+    return result.exit_code, result.stdout
 
 
 def test_known_failure_is_reported_not_fatal() -> None:
@@ -84,10 +95,11 @@ def test_bad_known_failures_file_is_exit_2(tmp_path: Path, text: str, message: s
 
 
 def test_reports_and_certify(tmp_path: Path) -> None:
-    """JSON and JUnit reports of a reference run; one JUnit case per clause; the reference certifies."""
+    """JSON and JUnit reports of a reference run; one JUnit case per clause, a model-only one skipped with its reason;
+    the reference certifies, and the table lists no clause: none failed, is known or went unexercised."""
     report, junit = tmp_path / "r.json", tmp_path / "r.xml"
-    code, stderr = run("--report", str(report), "--junit", str(junit), "--certify")
-    assert code == 0, stderr
+    code, stdout = run_printing("--report", str(report), "--junit", str(junit), "--certify")
+    assert code == 0, stdout
     written = json.loads(report.read_text())
     assert written["spec_version"] == registry.spec_version() and written["outcome"] == "ok"
     suite = ElementTree.parse(junit).getroot().find("testsuite")
@@ -95,6 +107,39 @@ def test_reports_and_certify(tmp_path: Path) -> None:
     assert len(cases) == len(registry.clauses()) == int(suite.get("tests"))
     assert int(suite.get("failures")) == 0
     assert {c.get("name").split()[0] for c in cases} == set(registry.clauses())
+    skipped = {c.get("name").split()[0]: c.find("skipped").get("message")
+               for c in cases if c.find("skipped") is not None}
+    model_only = {c.id: c.model_only for c in registry.clauses().values() if c.model_only}
+    assert skipped == {clause: f"model-only: {reason}" for clause, reason in model_only.items()}
+    coverage = RunReport.model_validate(written).run_time_coverage
+    assert stdout.startswith(f"kvconform spec {registry.spec_version()}: reference: {coverage.summary()}\n"), stdout
+    assert not any(clause in stdout for clause in registry.clauses()), stdout
+
+
+def test_run_time_coverage_counts_the_must_clauses_of_the_judged_levels() -> None:
+    """The run-time coverage: the MUST clauses of the judged levels and the rules of judging, split into those judged at
+    run time (by verdict) and the model-only ones; a connector-level adapter counts only its level's."""
+    for adapter, levels in ((ReferenceAdapter, {"connector", "offloading"}),
+                            (black_box(ReferenceAdapter), {"connector"})):
+        result = runner.run(adapter, "reference", "smoke")
+        coverage = build(result, "x", Capabilities()).run_time_coverage
+        must = [c for c in registry.clauses().values()
+                if c.requirement.startswith("MUST") and (c.spec_level is None or c.spec_level in levels)]
+        judged = [c for c in must if c.id in run_time_clauses()]
+        assert (coverage.must_clauses, coverage.judged_at_run_time, coverage.model_only) == (
+            len(must), len(judged), len(must) - len(judged)), (levels, coverage)
+        assert coverage.passed + coverage.not_exercised == len(judged) and coverage.failed == 0, coverage
+
+
+def test_table_lists_the_rows_that_matter_and_every_clause_when_verbose() -> None:
+    """Without --verbose the table lists the failed clause and none that passed; with it, every clause of the judged
+    levels."""
+    code, stdout = run_printing("--adapter", "kvconform_test_mutant:make", "--scheduling", "sync")
+    assert code == 1 and re.search(r"│ OFF-READ-1 +│ MUST NOT +│ offloading +│ fail ", stdout), stdout
+    assert not re.search(r"│ (pass|model-only) +│", stdout), stdout
+    assert "(--verbose lists every clause)" in stdout
+    code, stdout = run_printing("--profile", "smoke", "--verbose")
+    assert code == 0 and all(f"│ {clause} " in stdout for clause in registry.clauses()), stdout
 
 
 def test_certify_names_every_gap(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvconform.conformance.checks import CHECKS
-from kvconform.spec.registry import clauses, spec_version
+from kvconform.conformance.checks import CHECKS, run_time_clauses
+from kvconform.spec.registry import clauses, parse_chapter, spec_version
 
 ROOT = Path(__file__).resolve().parent.parent
 CLAUSE_ID = re.compile(r"\b[A-Z]{3,5}(?:-[A-Z]+)*-\d+\b")
@@ -75,6 +75,24 @@ def test_registrations_name_clauses_that_list_them(name):
         assert name in CLAUSES[clause_id].checks, f"{clause_id} does not list {name}, registered for it"
 
 
+@pytest.mark.parametrize("clause_id", sorted(CLAUSES))
+def test_clause_is_judged_at_run_time_or_model_only(clause_id):
+    """Every clause is judged against an adapter at run time by a registered check, or says why none can: one or
+    the other, never both, never neither."""
+    judged, reason = clause_id in run_time_clauses(), CLAUSES[clause_id].model_only
+    assert judged or reason, f"{clause_id}: no registered check judges it; add one, or a 'Model-only: REASON' line"
+    assert not (judged and reason), f"{clause_id} is marked model-only, yet a registered check judges it at run time"
+
+
+def test_model_only_line_is_parsed_apart_from_the_text():
+    """The line after the trace line, `Model-only: REASON`, is the reason, not part of the normative text."""
+    chapter = ("## X-ONE-1 — MUST\n\nRealised by `a.b` · checked by `c`\n\nModel-only: nothing shows it.\n\n"
+               "It **MUST** hold.\n\n## X-ONE-2 — MAY\n\nRealised by `a.b` · checked by `c`\n\nIt **MAY** hold.\n")
+    first, second = parse_chapter("99-x.md", chapter)
+    assert (first.model_only, first.text) == ("nothing shows it.", "It **MUST** hold.")
+    assert (second.model_only, second.text) == (None, "It **MAY** hold.")
+
+
 def test_cited_clause_ids_exist():
     cited: dict[str, set[str]] = {}
     for folder in ("reference", "conformance", "adapters"):
@@ -86,7 +104,8 @@ def test_cited_clause_ids_exist():
 
 
 def test_clause_ids_cited_in_spec_text_exist():
-    missing = {(c.id, ref) for c in CLAUSES.values() for ref in CLAUSE_ID.findall(c.text) if ref not in CLAUSES}
+    missing = {(c.id, ref) for c in CLAUSES.values() for ref in CLAUSE_ID.findall(f"{c.text} {c.model_only or ''}")
+               if ref not in CLAUSES}
     assert not missing, f"clauses cite undefined clauses: {sorted(missing)}"
 
 

@@ -8,6 +8,8 @@ the bug back, so the kit's verdict on it says whether the clause really checks a
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvconform.adapters.contract import Capabilities, SpecLevel
@@ -15,6 +17,7 @@ from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
 from kvconform.reference.hashing import block_hashes
+from kvconform.reference.kv_cache import BlockPool, KVCacheManager
 from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
 from kvconform.reference.request import RequestStatus
 
@@ -54,6 +57,40 @@ class AsyncFlagOnZeroConnector(OffloadConnectorScheduler):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         hits, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return hits, hits is not None
+
+
+class HitOneBlockShortConnector(OffloadConnectorScheduler):
+    """Answers a run of offloaded blocks found in the store one block short (off by one): the last block found is
+    recomputed instead of loaded."""
+
+    def _lookup(self, state):
+        hits = super()._lookup(state)
+        return max(hits - self.offloaded_block_size, 0) if hits else hits
+
+
+class AnswersDuringTransfersConnector(OffloadConnectorScheduler):
+    """A request that still has transfer jobs in flight — a preempted request's stores — is looked up and answered
+    at once instead of deferred (None) until they end."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        state = self.states[request.request_id]
+        in_flight, state.transfer_jobs = state.transfer_jobs, set()
+        try:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        finally:
+            state.transfer_jobs |= in_flight
+
+
+class HitWhileLoadingConnector(OffloadConnectorScheduler):
+    """A hit on blocks still being loaded for another request is answered at once instead of deferred (None) until
+    that load ends."""
+
+    def _lookup(self, state):
+        loading, self.keys_being_loaded = self.keys_being_loaded, set()
+        try:
+            return super()._lookup(state)
+        finally:
+            self.keys_being_loaded = loading | self.keys_being_loaded
 
 
 class LookupPastMissConnector(OffloadConnectorScheduler):
@@ -176,6 +213,17 @@ class TouchIgnoredLRUPolicy(LRUPolicy):
         return None
 
 
+class PinIgnoredLRUPolicy(LRUPolicy):
+    """LRU that leaves a block among the evictable ones, where it was, while a load pins it."""
+
+    def mark_pinned(self, key):
+        return None
+
+    def mark_evictable(self, key):
+        self.evictable.pop(key, None)
+        super().mark_evictable(key)
+
+
 class SwappedListsARCPolicy(ARCPolicy):
     """ARC that takes its victims from the frequency list T2 while T1 is at or above its target (lists swapped)."""
 
@@ -194,6 +242,35 @@ class TouchIgnoredManager(OffloadManager):
         super().__post_init__()
         if self.policy_name == "lru":
             self.policy = TouchIgnoredLRUPolicy(self.num_slots)
+
+
+class PinIgnoredARCPolicy(ARCPolicy):
+    """ARC that takes a block a load pins as a victim like an idle one."""
+
+    @staticmethod
+    def _first_idle(blocks, protected, taken):
+        return next((key for key, block in blocks.items()
+                     if block.is_ready and key not in protected and key not in taken), None)
+
+
+class EvictsPinnedManager(OffloadManager):
+    """The store evicts blocks a load still reads (OFF-MGR-3: a pinned block is never evicted); the load then reads
+    a slot that another block may overwrite. vLLM's CPU manager evicts only blocks whose ref_cnt is 0."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.policy = {"lru": PinIgnoredLRUPolicy, "arc": PinIgnoredARCPolicy}[self.policy_name](self.num_slots)
+
+    def prepare_load(self, keys):
+        evictable = self.num_evictable  # a pinned block stays evictable
+        slots = super().prepare_load(keys)
+        self.num_evictable = evictable
+        return slots
+
+    def complete_load(self, keys):
+        evictable = self.num_evictable
+        super().complete_load([key for key in keys if (block := self.policy.get(key)) and block.ref_count > 0])
+        self.num_evictable = evictable
 
 
 class SwappedListsManager(OffloadManager):
@@ -258,6 +335,67 @@ class CorruptingStoreWorker(OffloadConnectorWorker):
 
 
 # --- the engine --------------------------------------------------------------------------------
+
+
+class NullBlockHandedOutPool(BlockPool):
+    """The pool hands out block 0, the null block, like any other (block_pool.py takes it off the free queue first)."""
+
+    def __init__(self, num_blocks):
+        super().__init__(num_blocks)
+        self.free_queue = OrderedDict.fromkeys(range(num_blocks))
+
+    def valid_ids(self, blocks):
+        return list(blocks)
+
+
+class NullBlockHandedOutEngine(Engine):
+    """The GPU block pool hands out the null block (PFX-NULL-1): a request's KV lands where padding goes."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device)
+        self.kv.pool = NullBlockHandedOutPool(config.num_gpu_blocks)
+
+
+class HitsHeldBlocksOnlyKVCacheManager(KVCacheManager):
+    """The local hit stops at the first cached block that is free: a finished request's prefix is never hit again,
+    though its blocks keep their hashes until they are reused."""
+
+    def get_computed_blocks(self, request):
+        blocks, _ = super().get_computed_blocks(request)
+        held = list(itertools.takewhile(lambda block_id: self.pool.ref_counts[block_id] > 0, blocks))
+        return held, len(held) * self.block_size
+
+
+class HitsHeldBlocksOnlyEngine(Engine):
+    """The GPU prefix cache hits only blocks a running request still holds (PFX-HIT-1: free cached blocks hit too)."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device)
+        self.kv = HitsHeldBlocksOnlyKVCacheManager(config.num_gpu_blocks, config.block_size)
+
+
+class UncappedHitKVCacheManager(KVCacheManager):
+    """The local hit may cover every token of the request: it is not capped at `num_tokens - 1`."""
+
+    def get_computed_blocks(self, request):
+        if request.skip_reading_prefix_cache:
+            return [], 0
+        hit = []
+        for block_hash in request.block_hashes:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit, len(hit) * self.block_size
+
+
+class UncappedLocalHitEngine(Engine):
+    """A fully cached prompt is a local hit of every token: the request is scheduled none and the last token is never
+    recomputed (kv_cache_manager.py caps the hit at num_tokens - 1 so that the request samples)."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device)
+        self.kv = UncappedHitKVCacheManager(config.num_gpu_blocks, config.block_size)
 
 
 class LoadCoversLastTokenEngine(Engine):
@@ -433,6 +571,7 @@ MUTANTS = {
     "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3", "OFF-LRU-1", "OFF-ARC-1"),
     "reset-keeps-store": row(ResetKeepsStoreManager, "OffloadingManager.reset contract", "OFF-MGR-8",
                              "OFF-STORE-3"),
+    "evicts-pinned": row(EvictsPinnedManager, "cpu/manager.py contract", "OFF-MGR-3"),
     "arc-touch-unknown-key": row(UnknownKeyRaisesManager, "#34576", "OFF-MGR-4", "CONF-CALL-1"),
     "decoded-blocks-not-offloaded": row(DecodedBlocksNotOffloadedConnector, "#33881",
                                         "OFF-STORE-1", "OFF-READ-3"),
@@ -452,7 +591,13 @@ MUTANTS = {
     "arc-lists-swapped": row(SwappedListsManager, "arc.py contract", "OFF-ARC-1"),
     "finishes-early": row(FinishesEarlyEngine, "scheduler contract", "LIFE-FIN-1"),
     "async-flag-on-zero": row(AsyncFlagOnZeroConnector, "base.py contract", "CONN-MATCH-2"),
-    "load-covers-last-token": row(LoadCoversLastTokenEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "hit-one-block-short": row(HitOneBlockShortConnector, "offloading scheduler contract", "CONN-MATCH-1"),
+    "load-covers-last-token": row(LoadCoversLastTokenEngine, "scheduler contract", "LIFE-LOAD-2"),
+    "local-hit-covers-last-token": row(UncappedLocalHitEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "hits-held-blocks-only": row(HitsHeldBlocksOnlyEngine, "block_pool.py contract", "PFX-HIT-1"),
+    "null-block-handed-out": row(NullBlockHandedOutEngine, "block_pool.py contract", "PFX-NULL-1"),
+    "answers-during-transfers": row(AnswersDuringTransfersConnector, "offloading scheduler contract", "CONN-MATCH-4"),
+    "hit-while-loading": row(HitWhileLoadingConnector, "offloading scheduler contract", "OFF-LOOKUP-4"),
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
     "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-1"),
     "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),

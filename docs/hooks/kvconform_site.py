@@ -39,7 +39,7 @@ from kvconform.adapters.contract import Capabilities
 from kvconform.adapters.registry import resolve
 from kvconform.cli import main as cli_main
 from kvconform.conformance import plugin, report, vectors
-from kvconform.conformance.checks import CHECKS
+from kvconform.conformance.checks import CHECKS, run_time_clauses
 from kvconform.spec import registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -249,10 +249,22 @@ def requirement_badge(requirement: str) -> str:
             f'{requirement}</span>')
 
 
+def run_time_note(clause: registry.Clause, page: str) -> str:
+    """Return how the clause is judged: by the registered checks that judge it against an adapter at run time, or,
+    model-only, why none can."""
+    if clause.model_only:
+        reason = clause.model_only[0].upper() + clause.model_only[1:]
+        return f'!!! note "Model-only: not judged against an adapter at run time"\n\n    {linkify(reason, page)}\n'
+    checks = ", ".join(f"`{name}`" for name in clause.checks if name in CHECKS)
+    adapters = f"adapter judged at the {clause.spec_level} level" if clause.spec_level else "adapter"
+    return f'!!! success "Judged at run time"\n\n    By {checks}, against every {adapters}.\n'
+
+
 def clause_section(clause: registry.Clause, page: str) -> str:
-    """Return a clause as markdown: anchored heading with requirement badge, text, realising code, checks."""
+    """Return a clause as markdown: anchored heading with requirement badge, text, how it is judged, realising code,
+    checks."""
     parts = [f'## {clause.id} {requirement_badge(clause.requirement)} {{ #{clause.id} data-toc-label="{clause.id}" }}',
-             linkify(clause.text, page), "**Realised by**"]
+             linkify(clause.text, page), run_time_note(clause, page), "**Realised by**"]
     for name in clause.symbols:
         definition = symbol(name)
         summary = f" — {first_line(definition.doc)}" if definition.doc else ""
@@ -286,18 +298,34 @@ def chapter_page(name: str) -> str:
 
 
 def clause_index_page() -> str:
-    rows = ["| clause | requirement | spec level | chapter | checked by |", "| --- | --- | --- | --- | --- |"]
+    """Return the clause index: run-time coverage per spec level, then one row per clause with how it is judged."""
+    rows = ["| clause | requirement | spec level | chapter | judged at run time by | unit tests |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for clause in CLAUSES.values():
-        tests = sum("::" in c for c in clause.checks)
-        checks = [f"`{c}`" for c in clause.checks if "::" not in c]
-        checks += [f"{tests} unit test{'s' * (tests > 1)}"] if tests else []
+        checks = ", ".join(f"`{c}`" for c in clause.checks if c in CHECKS) or "model-only"
+        unit_tests = sum("::" in c for c in clause.checks)
         chapter = f"[{chapter_title(clause.chapter)}]({link(CHAPTER_PAGES[clause.chapter], CLAUSE_INDEX)})"
         rows.append(f"| [{clause.id}]({clause_link(clause.id, CLAUSE_INDEX)}) | {requirement_badge(clause.requirement)} "
-                    f"| {clause.spec_level or 'every'} | {chapter} | {', '.join(checks)} |")
-    runtime = sum(any(c in CHECKS for c in clause.checks) for clause in CLAUSES.values())
-    return (f"# Clause index\n\nkvconform spec {registry.spec_version()}: {len(CLAUSES)} clauses, {runtime} of "
-            f"them checked at run time by a registered check, the others by unit tests of the reference only.\n\n"
+                    f"| {clause.spec_level or 'every'} | {chapter} | {checks} | {unit_tests} |")
+    return (f"# Clause index\n\nkvconform spec {registry.spec_version()}: {len(CLAUSES)} clauses. A clause is judged "
+            f"against every adapter at run time by a registered check, or is model-only: its section says why no "
+            f"check can judge it, and it is tested on the reference alone.\n\n{coverage_table()}\n\n"
             + "\n".join(rows) + "\n")
+
+
+def coverage_table() -> str:
+    """Return the run-time coverage of the MUST and MUST NOT clauses, per spec level and for a run judging both."""
+    judged = run_time_clauses()
+    must = [c for c in CLAUSES.values() if c.requirement.startswith("MUST")]
+    groups = {"connector level (chapter 08)": ["connector"], "offloading level (chapters 01 – 06)": ["offloading"],
+              "rules of judging (chapter 07)": [None], "a run judging both levels": ["connector", "offloading", None]}
+    rows = ["| MUST and MUST NOT clauses of | judged at run time | model-only |", "| --- | --- | --- |"]
+    for name, levels in groups.items():
+        counted = [c for c in must if c.spec_level in levels]
+        run_time = sum(c.id in judged for c in counted)
+        rows.append(f"| {name} | {run_time} of {len(counted)} ({run_time / len(counted):.0%}) "
+                    f"| {len(counted) - run_time} |")
+    return "\n".join(rows)
 
 
 def chapter_title(name: str) -> str:
@@ -378,7 +406,13 @@ def directive_counterexample(args: list[str], page: str) -> str:
     run = mutant_run()
     tail = run["stdout"][run["stdout"].index("NOT conformant"):].rstrip()
     return (f"{fenced('PYTHONPATH=tests ' + ' '.join(MUTANT_COMMAND), 'sh', wrap=True)}\n\n"
-            f"prints a table with one row per clause, then:\n\n{fenced(tail, 'text', wrap=True)}\n")
+            f"prints its run-time coverage line and the clauses that failed or were not exercised, then:\n\n"
+            f"{fenced(tail, 'text', wrap=True)}\n")
+
+
+def directive_coverage_line(args: list[str], page: str) -> str:
+    """Return the run-time coverage line the mutant run printed."""
+    return fenced(mutant_run()["stdout"].splitlines()[0], "text", wrap=True)
 
 
 def directive_example_report(args: list[str], page: str) -> str:
@@ -490,6 +524,7 @@ def import_symbol(name: str) -> type[BaseModel]:
 DIRECTIVES: dict[str, Callable[[list[str], str], str]] = {
     "counterexample": directive_counterexample,
     "example-report": directive_example_report,
+    "coverage-line": directive_coverage_line,
     "report-schema": directive_report_schema,
     "scenario-schema": directive_scenario_schema,
     "scenario-library": directive_scenario_library,
