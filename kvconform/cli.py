@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kvconform.conformance import options
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
+from kvconform.conformance.examples import DEFAULT_DATABASE
 from kvconform.conformance.profiles import PROFILES
 
 EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -45,16 +46,19 @@ def main() -> None:
 @click.option("--connector-config", default=None, help="For --adapter vllm-connector: kv_connector_extra_config, JSON")
 @click.option("--connector-manifest", default=None,
               help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields")
+@click.option("--database", default=DEFAULT_DATABASE, show_default=True,
+              help="Example database: a directory, a Redis URL (redis://host:port), or none")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str,
-                connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
+                connector: str | None, connector_config: str | None, connector_manifest: str | None,
+                database: str) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
     options.select_connector(connector, connector_config, connector_manifest)
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
-                              report_path=report_path, junit_path=junit_path, certify=certify)
+                              report_path=report_path, junit_path=junit_path, certify=certify, database=database)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
