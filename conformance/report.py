@@ -133,19 +133,19 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
     seen = {c.id: c.known_failure for part in parts for c in part.clauses if c.verdict == "known failure"}
     stale = sorted(set(first.known_failures) - set(seen) - rare_known_failures)
     coverage = {c.id: sum(part.clauses[i].exercised for part in parts) for i, c in enumerate(first.clauses)}
-    failure = dict(failed_clause=failing.failed_clause, message=failing.message, counterexample=failing.counterexample,
-                   program=failing.program, adapter_traceback=failing.adapter_traceback,
-                   found_after=failing.found_after, found_at_example=failing.found_at_example) if failing else {}
-    if failing is None and stale:
-        failure = dict(failed_clause="CONF-RUN-2", message="known failures that no longer fail (stale baseline "
-                                                          f"entries): {', '.join(stale)}")
+    failure = dict(failed_clause=None, message=None, counterexample=None, program=None, adapter_traceback=None,
+                   found_after=None, found_at_example=None)
+    if failing is not None:
+        failure = {name: getattr(failing, name) for name in failure}
+    elif stale:
+        failure.update(failed_clause="CONF-RUN-2",
+                       message=f"known failures that no longer fail (stale baseline entries): {', '.join(stale)}")
     run_report = first.model_copy(update=dict(
-        seed=seed, passed=not failure, outcome=failing.outcome if failing else "fail" if failure else "ok",
+        seed=seed, passed=failure["failed_clause"] is None,
+        outcome=failing.outcome if failing else "ok" if failure["failed_clause"] is None else "fail",
         seconds=max(part.seconds for part in parts), examples=sum(part.examples for part in parts),
-        rules=sum(part.rules for part in parts), steps=sum(part.steps for part in parts),
-        found_after=None, found_at_example=None, failed_clause=None, message=None, counterexample=None, program=None,
-        adapter_traceback=None, **failure,
-        clauses=_verdicts(coverage, failure.get("failed_clause"), seen),
+        rules=sum(part.rules for part in parts), steps=sum(part.steps for part in parts), **failure,
+        clauses=_verdicts(coverage, failure["failed_clause"], seen),
         shards=[ShardResult(index=index, seed=part.seed, examples=part.examples, rules=part.rules, steps=part.steps,
                             seconds=part.seconds, outcome=part.outcome, failed_clause=part.failed_clause,
                             found_at_example=part.found_at_example) for index, part in enumerate(parts)]))
