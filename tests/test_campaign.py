@@ -6,6 +6,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from xml.etree import ElementTree
@@ -69,6 +70,17 @@ def test_failure_found_by_one_run_is_replayed_first_by_the_next(xdist_pytester: 
                                 database)
     rerun.assert_outcomes(failed=2)
     assert [(part["failed_clause"], part["found_at_example"]) for part in replayed["shards"]] == [("OFF-READ-1", 1)] * 2
+
+
+def test_cli_workers_run_the_same_split(tmp_path: Path) -> None:
+    """`kvconform run --workers 2` runs the plugin's split run under pytest-xdist and prints the merged verdicts."""
+    pytest.importorskip("xdist", reason="needs pytest-xdist: pip install -e '.[xdist]'")
+    path = tmp_path / "run.json"
+    done = subprocess.run([sys.executable, "-m", "kvconform.cli", "run", "--workers", "2", "--profile", "smoke",
+                           "--database", "none", "--report", str(path)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "conformant in" in done.stdout and "merged from 2 parts" in done.stderr
+    assert [part["seed"] for part in json.loads(path.read_text())["shards"]] == [0, 1]
 
 
 def test_parts_share_the_examples_and_draw_from_their_own_seeds() -> None:
