@@ -42,6 +42,7 @@ def run_split(pytester: pytest.Pytester, *options: str) -> tuple[pytest.RunResul
     return result, json.loads(path.read_text())
 
 
+@pytest.mark.long
 def test_split_run_is_merged_into_one_report(xdist_pytester: pytest.Pytester) -> None:
     """CONF-RUN-4: each worker runs one part of the examples from its own seed, the same on a rerun; the controller
     writes one JSON and one JUnit report for the whole run."""
@@ -59,6 +60,7 @@ def test_split_run_is_merged_into_one_report(xdist_pytester: pytest.Pytester) ->
         [(part["rules"], part["steps"]) for part in merged["shards"]]
 
 
+@pytest.mark.long
 def test_failure_found_by_one_run_is_replayed_first_by_the_next(xdist_pytester: pytest.Pytester) -> None:
     """CONF-RUN-5: a mutant killed by a split run is killed at the first example of every part of a rerun from
     other seeds: the failing examples in the shared database are replayed before any program is drawn."""
@@ -72,6 +74,7 @@ def test_failure_found_by_one_run_is_replayed_first_by_the_next(xdist_pytester: 
     assert [(part["failed_clause"], part["found_at_example"]) for part in replayed["shards"]] == [("OFF-READ-1", 1)] * 2
 
 
+@pytest.mark.long
 def test_cli_workers_run_the_same_split(tmp_path: Path) -> None:
     """`kvconform run --workers 2` runs the plugin's split run under pytest-xdist and prints the merged verdicts."""
     pytest.importorskip("xdist", reason="needs pytest-xdist: pip install -e '.[xdist]'")
