@@ -98,7 +98,7 @@ def _run_in_workers(workers: int, **values):
     options; certifying is left to the caller, on the merged report."""
     import pytest
 
-    from kvconform.conformance.plugin import SUITE
+    from kvconform.conformance.plugin import SUITE, isolated
     from kvconform.conformance.report import RunReport
 
     try:
@@ -107,11 +107,9 @@ def _run_in_workers(workers: int, **values):
         _usage_error("--workers needs pytest-xdist: pip install 'kvconform[xdist]'")
     with tempfile.TemporaryDirectory(prefix="kvconform-") as folder:
         values["report"] = values["report"] or Path(folder) / "run.json"
-        arguments = [f"{SUITE}::test_state_machine", "-n", str(workers), "-q", "-p", "no:cacheprovider",
+        arguments = [f"{SUITE}::test_state_machine", "-n", str(workers), "-q", *isolated(Path(folder)),
                      "-W", "ignore::pytest.PytestAssertRewriteWarning",
-                     "-c", str(Path(folder) / "pytest.ini"), "--rootdir", folder,
                      *(f"--kv-{name.replace('_', '-')}={value}" for name, value in values.items() if value is not None)]
-        (Path(folder) / "pytest.ini").write_text("[pytest]\n")
         try:
             with contextlib.redirect_stdout(sys.stderr):
                 status = pytest.main(arguments)
@@ -268,7 +266,7 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
 
 @main.command("bench")
 @click.option("--only", default=None, metavar="NAMES",
-              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling (default: all)")
+              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling, workers (default: all)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("kvconform-bench.json"), show_default=True, help="Write every figure as JSON here")
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,
@@ -276,7 +274,8 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
 @click.option("--mutants", default=None, metavar="NAMES",
               help="Comma-separated mutants for the counterexample benchmark (default: the whole catalogue)")
 def bench_command(only: str | None, json_path: Path, seeds: int, mutants: str | None) -> None:
-    """Measure harness throughput, time to counterexample, transfer bandwidth and scaling; print a table."""
+    """Measure harness throughput, time to counterexample, transfer bandwidth, scaling and the speed-up across
+    workers; print a table."""
     import dataclasses
 
     from kvconform.benchmarks import figures, suite

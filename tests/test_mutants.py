@@ -9,6 +9,7 @@ from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.mutants.kills import kill
 
 
+@pytest.mark.long
 def test_reference_conforms() -> None:
     """The reference adapter passes the ci profile against the reference model."""
     result = runner.run(ReferenceAdapter, "reference", "ci")
