@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -201,7 +202,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     try:
         options.write_reports(run, merged)
     except options.UsageProblem as problem:
-        raise pytest.UsageError(f"kvconform: {problem}") from None
+        sys.stderr.write(f"ERROR: kvconform: {problem}\n")
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        return
     config.stash[CERTIFICATION_GAPS] = gaps = options.certification_gaps(run, merged)
     if gaps or not merged.passed:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
