@@ -18,10 +18,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Spread the tests over every core (`-n auto`) when pytest-xdist is installed and `-n` was not given; never
-    in an xdist worker, which would start workers of its own."""
+    in an xdist worker, which would start workers of its own. Tests of one `xdist_group` share a worker (the
+    documentation site is built once)."""
     worker = hasattr(config, "workerinput")
     if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) is None and not worker:
         config.option.numprocesses = "auto"
+        config.option.dist = "loadgroup"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
