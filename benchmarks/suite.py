@@ -1,4 +1,4 @@
-"""The four benchmarks, which of them to run, and one run of them into a report."""
+"""The benchmarks, which of them to run, and one run of them into a report."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvconform.benchmarks import counterexample, scaling, throughput, transfer
+from kvconform.benchmarks import counterexample, scaling, throughput, transfer, workers
 from kvconform.benchmarks.figures import BenchReport, Figure, Progress, build_report
 from kvconform.conformance.mutants import MUTANTS
 
@@ -22,6 +22,7 @@ class Settings:
         default_factory=counterexample.CounterexampleSettings)
     transfer: transfer.TransferSettings = field(default_factory=transfer.TransferSettings)
     scaling: scaling.ScalingSettings = field(default_factory=scaling.ScalingSettings)
+    workers: workers.WorkersSettings = field(default_factory=workers.WorkersSettings)
 
 
 BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
@@ -29,6 +30,7 @@ BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
     counterexample.NAME: lambda settings, progress: counterexample.measure(settings.counterexample, progress),
     transfer.NAME: lambda settings, progress: transfer.measure(settings.transfer, progress),
     scaling.NAME: lambda settings, progress: scaling.measure(settings.scaling, progress),
+    workers.NAME: lambda settings, progress: workers.measure(settings.workers, progress),
 }
 """Benchmark name → how to run it; the issue's order."""
 

@@ -104,6 +104,9 @@ class Session:
     baseline: Baseline = field(default_factory=Baseline)
     on_example: Callable[[], None] | None = None
     coverage: dict[str, int] = field(default_factory=dict)
+    examples: int = 0
+    failing_example: int | None = None
+    """The example, counted from 1, in which a clause first failed."""
     rules: int = 0
     steps: int = 0
     adapter_seconds: float = 0.0
@@ -198,8 +201,10 @@ class Execution:
         self.program.append(call)
         try:
             getattr(self, f"_{call.operation}")(*call.args)
-        except BaseException:
+        except BaseException as error:
             self.failed = True
+            if isinstance(error, ClauseViolation) and self.session.failing_example is None:
+                self.session.failing_example = self.session.examples
             raise
 
     def _start(self, config) -> None:

@@ -133,6 +133,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
+        self.session.examples += 1
         if self.session.on_example is not None:
             self.session.on_example()
         capabilities = self.run.begin()

@@ -16,11 +16,13 @@ from typing import get_args
 
 from kvconform.adapters.contract import Capabilities, KVConnectorAdapter
 from kvconform.adapters.registry import AdapterNotFound, resolve
-from kvconform.conformance import baseline, report, runner
+from hypothesis.database import ExampleDatabase
+
+from kvconform.conformance import baseline, examples, report, runner
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.machine import Scheduling
-from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES
+from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES, Shard
 
 SCHEDULINGS: tuple[str, ...] = get_args(Scheduling)
 
@@ -46,6 +48,8 @@ class RunOptions:
     report_path: Path | None = None
     junit_path: Path | None = None
     certify: bool = False
+    database: ExampleDatabase | None = None
+    """Where failing examples are kept and replayed from (CONF-RUN-5); None for none."""
 
 
 CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST")
@@ -68,8 +72,11 @@ def seed_words(seed: int | None) -> str:
 def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | None = None,
             scheduling: str = "both", call_timeout: float = DEFAULT_CALL_TIMEOUT,
             known_failures_path: Path | None = None, report_path: Path | None = None,
-            junit_path: Path | None = None, certify: bool = False) -> RunOptions:
-    """Return the checked options of a run, or raise UsageProblem naming the first mistake."""
+            junit_path: Path | None = None, certify: bool = False,
+            database: str = examples.DEFAULT_DATABASE) -> RunOptions:
+    """Return the checked options of a run, or raise UsageProblem naming the first mistake.
+
+    `database` is a directory, a Redis URL or `none` (`examples.open_database`)."""
     if profile not in PROFILES:
         raise UsageProblem(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     if scheduling not in SCHEDULINGS:
@@ -85,19 +92,37 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
             known = baseline.load(known_failures_path)
         except baseline.BaselineError as error:
             raise UsageProblem(str(error)) from None
+    try:
+        database_opened = examples.open_database(database)
+    except examples.DatabaseError as error:
+        raise UsageProblem(str(error)) from None
     factory, capabilities, version = _probe(adapter_spec, call_timeout)
     if scheduling == "async" and not capabilities.async_scheduling:
         raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
     return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout,
-                      known.entries, frozenset(known.rare), report_path, junit_path, certify)
+                      known.entries, frozenset(known.rare), report_path, junit_path, certify, database_opened)
 
 
-def run(options: RunOptions, on_example: Callable[[], None] | None = None) -> report.RunReport:
-    """Run the state machine as `options` say and return its report (not yet written)."""
+def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard: Shard = Shard()) -> report.RunReport:
+    """Run the state machine as `options` say, or one `shard` of it, and return its report (not yet written).
+
+    A part of a split run finds no known failure stale: only the merge of all parts can (`report.merge`)."""
+    rare = set(options.known_failures) if shard.count > 1 else set(options.rare_known_failures)
     result = runner.run(options.factory, options.adapter_spec, options.profile, options.seed, on_example=on_example,
                         call_timeout=options.call_timeout, scheduling=options.scheduling,
-                        baseline=baseline.Baseline(dict(options.known_failures), set(options.rare_known_failures)))
+                        baseline=baseline.Baseline(dict(options.known_failures), rare),
+                        database=run_examples(options), shard=shard)
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures)
+
+
+def run_examples(options: RunOptions) -> ExampleDatabase | None:
+    """Return the part of the run's database that holds this kind of run's examples: the adapter, its implementation
+    and connector, and the scheduling modes drawn (CONF-RUN-5)."""
+    if options.database is None:
+        return None
+    connector = (os.environ.get(variable, "") for variable in CONNECTOR_VARIABLES)
+    return examples.RunExamples(options.database, (options.adapter_spec, options.implementation_version,
+                                                   options.scheduling, *connector))
 
 
 def write_reports(options: RunOptions, run_report: report.RunReport) -> None:

@@ -3,11 +3,18 @@
 Registered under the `pytest11` entry point, so any project with kvconform installed has the options.
 They mirror `kvconform run` and are checked by the same code (`conformance/options.py`) before any test
 runs: a mistake is a one-line `pytest.UsageError`. Heavy imports happen only when the suite is requested.
+
+Under pytest-xdist (`pytest -n N`) the state-machine run is split into one part per worker, each drawing its
+share of the examples from its own seed (`profiles.Shard`); the workers hand their parts' reports to the
+controller, which merges them into the one report (JSON, JUnit, summary) and certifies the merged run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,12 +40,20 @@ OPTION_JUNIT = "--kv-junit"
 OPTION_KNOWN_FAILURES = "--kv-known-failures"
 OPTION_CERTIFY = "--kv-certify"
 OPTION_SCENARIOS = "--kv-scenarios"
+OPTION_DATABASE = "--kv-database"
 ENV_ADAPTER = "KVCONFORM_ADAPTER"
 SUITE = Path(__file__).with_name("suite.py")
 
 RUN_OPTIONS = pytest.StashKey["RunOptions"]()
 SCENARIOS = pytest.StashKey["list[Vector]"]()
 RUN_REPORT = pytest.StashKey["RunReport"]()
+SHARD_REPORTS = pytest.StashKey[dict[int, str]]()
+"""On the xdist controller: the JSON report of each part of the run, by shard index, as the workers sent them."""
+CERTIFICATION_GAPS = pytest.StashKey[list[str]]()
+WORKER_SEED = "kvconform_seed"
+"""The workerinput key of the seed the controller gives every worker to derive its part's seed from."""
+WORKER_SHARDS = "kvconform_shards"
+"""The workeroutput key under which a worker sends its parts' reports back."""
 
 # keyword of options.prepare -> dest of the pytest option; options left unset take prepare's defaults
 PREPARE_ARGUMENTS = {
@@ -50,6 +65,7 @@ PREPARE_ARGUMENTS = {
     "junit_path": "kv_junit",
     "known_failures_path": "kv_known_failures",
     "certify": "kv_certify",
+    "database": "kv_database",
 }
 
 
@@ -75,12 +91,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Fail unless every run-time-checked MUST clause was exercised and passed")
     group.addoption(OPTION_SCENARIOS, dest="kv_scenarios", type=Path, action="append", default=[],
                     help="A scenario JSON file, or a folder of them, to check besides the bundled ones (repeatable)")
+    group.addoption(OPTION_DATABASE, dest="kv_database", default=None,
+                    help="Example database: a directory (default .hypothesis/examples), a Redis URL, or none")
     group.addoption(OPTION_CONNECTOR, dest="kv_connector", default=None,
                     help="For vllm-connector: the KV connector, a name vLLM knows or module:Class")
     group.addoption(OPTION_CONNECTOR_CONFIG, dest="kv_connector_config", default=None,
                     help="For vllm-connector: kv_connector_extra_config, JSON")
     group.addoption(OPTION_CONNECTOR_MANIFEST, dest="kv_connector_manifest", default=None,
                     help="For vllm-connector: what the connector claims, a JSON object of Capabilities fields")
+
+
+def isolated(folder: Path) -> list[str]:
+    """Return the pytest arguments that run a kit suite from `folder`, away from the configuration and conftest files
+    of the current directory, which are the user's project's."""
+    (folder / "pytest.ini").write_text("[pytest]\n")
+    return ["-c", str(folder / "pytest.ini"), "--rootdir", str(folder), "-p", "no:cacheprovider"]
 
 
 def adapter_spec(config: pytest.Config) -> str | None:
@@ -105,8 +130,93 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[SCENARIOS] = scenarios(config.getoption("kv_scenarios"))
     except ValueError as problem:
         raise pytest.UsageError(f"kvconform: {OPTION_SCENARIOS}: {problem}") from None
-    if str(SUITE) not in config.args:
+    if not any(arg.startswith(str(SUITE)) for arg in config.args):
         config.args.append(str(SUITE))
+    if getattr(config, "workerinput", None) is None and config.getoption("dist", "no") == "load":
+        config.option.dist = "loadgroup"  # each part of the run in a group of its own: one part per worker
+    config.stash[SHARD_REPORTS] = {}
+
+
+def shard_count(config: pytest.Config) -> int:
+    """Return how many parts the state-machine run is split into: one per pytest-xdist worker."""
+    workerinput = getattr(config, "workerinput", None)
+    return 1 if workerinput is None else workerinput["workercount"]
+
+
+def split_run_options(config: pytest.Config, run: RunOptions) -> RunOptions:
+    """Return the options of a run split across `shard_count` workers: the seed its parts derive theirs from."""
+    if shard_count(config) == 1 or run.seed is not None:
+        return run
+    return dataclasses.replace(run, seed=config.workerinput[WORKER_SEED])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """xdist: give every worker the seed from which the parts of a run without --kv-seed derive theirs.
+
+    It is 0 for a derandomised profile, whose parts then draw the same programs every time, and a random seed
+    for a random profile; the merged report names it, so that the run can be repeated with --kv-seed.
+    """
+    run = node.config.stash.get(RUN_OPTIONS, None)
+    if run is None or node.workerinput["workercount"] == 1:
+        return
+    if run.seed is None:
+        from kvconform.conformance.profiles import PROFILES
+
+        seed = 0 if PROFILES[run.profile].derandomize else random.SystemRandom().randrange(2**32)
+        node.config.stash[RUN_OPTIONS] = run = dataclasses.replace(run, seed=seed)
+    node.workerinput[WORKER_SEED] = run.seed
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """xdist: keep the reports of the parts a worker ran."""
+    reports = node.config.stash.get(SHARD_REPORTS, None)
+    if reports is not None:
+        reports.update(getattr(node, "workeroutput", {}).get(WORKER_SHARDS, {}))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Split the state-machine run into one part per xdist worker, each in an xdist group of its own."""
+    if "kv_shard" not in metafunc.fixturenames:
+        return
+    from kvconform.conformance.profiles import Shard
+
+    count = shard_count(metafunc.config)
+    metafunc.parametrize("kv_shard", [
+        pytest.param(Shard(index, count), id=f"part-{index + 1}-of-{count}",
+                     marks=pytest.mark.xdist_group(f"kvconform-part-{index + 1}")) for index in range(count)])
+
+
+def keep_part_report(config: pytest.Config, shard, run_report: RunReport) -> bool:
+    """Keep the report of a part of the run on an xdist worker, for the controller to merge; say if it was kept."""
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput.setdefault(WORKER_SHARDS, {})[shard.index] = run_report.model_dump_json()
+    return workeroutput is not None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """On the xdist controller: merge the parts' reports into the run's report, write it and certify it."""
+    config = session.config
+    parts = config.stash.get(SHARD_REPORTS, {})
+    run = config.stash.get(RUN_OPTIONS, None)
+    if not parts or run is None:
+        return
+    from kvconform.conformance import options, report
+
+    merged = report.merge([report.RunReport.model_validate_json(parts[index]) for index in sorted(parts)], run.seed,
+                          run.rare_known_failures)
+    config.stash[RUN_REPORT] = merged
+    try:
+        options.write_reports(run, merged)
+    except options.UsageProblem as problem:
+        sys.stderr.write(f"ERROR: kvconform: {problem}\n")
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        return
+    config.stash[CERTIFICATION_GAPS] = gaps = options.certification_gaps(run, merged)
+    if gaps or not merged.passed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def scenarios(paths: list[Path]) -> list[Vector]:
@@ -144,6 +254,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     terminalreporter.section("kvconform")
     terminalreporter.write_line(f"spec {run_report.spec_version}, adapter {run_report.adapter}: "
                                 f"{run_report.run_time_coverage.summary()} ({run_report.steps} steps judged)")
+    if run_report.shards:
+        terminalreporter.write_line(f"merged from {len(run_report.shards)} parts drawn from seed {run_report.seed}: "
+                                    + ", ".join(f"seed {part.seed} {part.outcome} ({part.examples} examples)"
+                                                for part in run_report.shards))
+    for gap in config.stash.get(CERTIFICATION_GAPS, []):
+        terminalreporter.write_line(f"not certified: {gap}")
     for clause, reason in sorted(run_report.known_failures.items()):
         terminalreporter.write_line(f"known failure {clause}: {reason}")
     run = config.stash[RUN_OPTIONS]
@@ -164,3 +280,9 @@ def kv_run_options(pytestconfig: pytest.Config) -> RunOptions:
 def kv_adapter_factory(kv_run_options: RunOptions):
     """The factory of the adapter under test, as chosen by --kv-adapter."""
     return kv_run_options.factory
+
+
+@pytest.fixture
+def kv_shard(request: pytest.FixtureRequest):
+    """The part of the state-machine run this test runs: the whole run unless pytest-xdist split it."""
+    return request.param

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from unittest import mock
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import ExampleDatabase
+# Private: no public setting turns off Hypothesis's local constants (6.170), see programs_from_seed_alone.
 from hypothesis.internal.conjecture import providers
 
 
@@ -32,13 +34,42 @@ PROFILES = {
 DEFAULT_PROFILE = "ci"
 
 
-def profile_settings(name: str, seed_given: bool = False) -> settings:
-    """Return the Hypothesis settings of profile `name`; an explicit seed turns derandomisation off."""
+@dataclass(frozen=True)
+class Shard:
+    """One of `count` parts of a run split across workers: its own seed and its share of the examples (CONF-RUN-4).
+
+    The parts of a run draw different programs, each from its own seed, stable across reruns.
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def examples(self, total: int) -> int:
+        """Return this part's share of `total` examples; the parts' shares add up to `total`."""
+        return total // self.count + (self.index < total % self.count)
+
+    def seed(self, base: int | None) -> int | None:
+        """Return the seed this part draws from, given the run's: the run's own when the run is not split."""
+        if self.count == 1:
+            return base
+        if base is None:
+            raise ValueError("a run split across workers needs a seed to derive each part's seed from")
+        return base * self.count + self.index
+
+
+def profile_settings(name: str, seed_given: bool = False, database: ExampleDatabase | None = None,
+                     max_examples: int | None = None) -> settings:
+    """Return the Hypothesis settings of profile `name`; an explicit seed turns derandomisation off.
+
+    A derandomised run neither reads nor writes `database`: it draws the same programs every time (CONF-RUN-5).
+    `max_examples` replaces the profile's for one shard of a run split across workers.
+    """
     profile = PROFILES[name]
-    return settings(deadline=None, database=None, report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
-                    phases=(Phase.explicit, Phase.reuse, Phase.generate), max_examples=profile.max_examples,
-                    stateful_step_count=profile.stateful_step_count,
-                    derandomize=profile.derandomize and not seed_given)
+    derandomize = profile.derandomize and not seed_given
+    return settings(deadline=None, database=None if derandomize else database, report_multiple_bugs=False,
+                    suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.reuse, Phase.generate),
+                    max_examples=profile.max_examples if max_examples is None else max_examples,
+                    stateful_step_count=profile.stateful_step_count, derandomize=derandomize)
 
 
 @contextmanager

@@ -58,6 +58,20 @@ class RunTimeCoverage(BaseModel):
                 f"{self.not_exercised} not exercised; {self.model_only} model-only")
 
 
+class ShardResult(BaseModel):
+    """One part of a run split across workers (`pytest -n`, `kvconform run --workers`): its seed and what it found."""
+
+    index: int = Field(description="the part, counted from 0")
+    seed: int | None = Field(description="the seed it drew its programs from")
+    examples: int = Field(description="examples it ran")
+    rules: int
+    steps: int
+    seconds: float
+    outcome: Outcome
+    failed_clause: str | None
+    found_at_example: int | None = Field(description="the example, counted from 1, in which it found its failure")
+
+
 class RunReport(BaseModel):
     """One conformance run of one adapter."""
 
@@ -78,6 +92,9 @@ class RunReport(BaseModel):
     seconds: float = Field(description="wall-clock duration of the run")
     found_after: float | None = Field(None, description="seconds until the first failing program was found, before "
                                                         "shrinking; None when the run found none")
+    examples: int = Field(0, description="examples run: programs drawn, or replayed from the example database")
+    found_at_example: int | None = Field(None, description="the example, counted from 1, in which the run found its "
+                                                           "failure: 1 when the example database replayed it first")
     rules: int = Field(description="state-machine rules run (Hypothesis's stateful steps), each one or more adapter calls")
     steps: int = Field(description="engine steps judged: at the offloading level, compared with the reference's")
     failed_clause: str | None = Field(description="the clause the run failed on")
@@ -89,33 +106,24 @@ class RunReport(BaseModel):
     run_time_coverage: RunTimeCoverage = Field(description="how many of the MUST clauses that count were judged at "
                                                            "run time, and how those fared")
     clauses: list[ClauseResult] = Field(description="one verdict per clause of the spec")
+    shards: list[ShardResult] = Field([], description="the parts of a run split across workers, each drawn from its "
+                                                      "own seed; empty for a run in one process")
 
 
 def build(result: RunResult, implementation_version: str, capabilities: Capabilities,
           known_failures: dict[str, str] | None = None) -> RunReport:
     """Return the report of a run: a verdict for every clause of the spec."""
-    runtime_checked = run_time_clauses()
-    clauses = []
-    for clause in registry.clauses().values():
-        count = result.coverage.get(clause.id, 0)
-        verdict: Verdict = ("fail" if clause.id == result.failed_clause else
-                            "known failure" if clause.id in result.known_failures else
-                            "model-only" if clause.model_only else
-                            "pass" if count else "not exercised")
-        clauses.append(ClauseResult(id=clause.id, requirement=clause.requirement, spec_level=clause.spec_level,
-                                    chapter=clause.chapter, verdict=verdict,
-                                    exercised=count, checked_at_run_time=clause.id in runtime_checked,
-                                    model_only=clause.model_only, known_failure=result.known_failures.get(clause.id)))
+    clauses = _verdicts(result.coverage, result.failed_clause, result.known_failures)
     run_report = RunReport(
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
         seed=result.seed, scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],
         passed=result.passed, outcome=result.outcome,
         seconds=round(result.seconds, 3),
-        found_after=None if result.found_after is None else round(result.found_after, 3), rules=result.rules, steps=result.steps,
+        found_after=None if result.found_after is None else round(result.found_after, 3), examples=result.examples,
+        found_at_example=result.found_at_example, rules=result.rules, steps=result.steps,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
-        program=result.program,
-        adapter_traceback=result.adapter_traceback, known_failures=known_failures or {},
+        program=result.program, adapter_traceback=result.adapter_traceback, known_failures=known_failures or {},
         run_time_coverage=run_time_coverage(clauses, result.levels), clauses=clauses,
     )
     run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
@@ -135,6 +143,57 @@ def run_time_coverage(clauses: list[ClauseResult], levels: Iterable[SpecLevel]) 
     return RunTimeCoverage(must_clauses=len(must), judged_at_run_time=len(judged), passed=judged.count("pass"),
                            failed=judged.count("fail"), known_failures=judged.count("known failure"),
                            not_exercised=judged.count("not exercised"), model_only=len(must) - len(judged))
+
+
+def _verdicts(coverage: dict[str, int], failed_clause: str | None, seen_known_failures: dict[str, str]
+              ) -> list[ClauseResult]:
+    """Return a verdict for every clause of the spec, from how often each was exercised and what failed."""
+    runtime_checked = run_time_clauses()
+    clauses = []
+    for clause in registry.clauses().values():
+        count = coverage.get(clause.id, 0)
+        verdict: Verdict = ("fail" if clause.id == failed_clause else
+                            "known failure" if clause.id in seen_known_failures else
+                            "model-only" if clause.model_only else
+                            "pass" if count else "not exercised")
+        clauses.append(ClauseResult(id=clause.id, requirement=clause.requirement, spec_level=clause.spec_level,
+                                    chapter=clause.chapter, verdict=verdict,
+                                    exercised=count, checked_at_run_time=clause.id in runtime_checked,
+                                    model_only=clause.model_only, known_failure=seen_known_failures.get(clause.id)))
+    return clauses
+
+
+def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozenset[str] = frozenset()) -> RunReport:
+    """Return the report of a run split across workers from the reports of its parts, in shard order.
+
+    The run fails as its first failing part does (a clause failure before a hang); a known failure is stale only
+    when no part saw it fail (CONF-RUN-2); clauses are exercised as often as all parts exercised them together.
+    """
+    first = parts[0]
+    failing = ([part for part in parts if part.outcome == "fail"] or [part for part in parts if part.outcome == "info"]
+               or [None])[0]
+    seen = {c.id: c.known_failure for part in parts for c in part.clauses if c.verdict == "known failure"}
+    stale = sorted(set(first.known_failures) - set(seen) - rare_known_failures)
+    coverage = {c.id: sum(part.clauses[i].exercised for part in parts) for i, c in enumerate(first.clauses)}
+    failure = dict(failed_clause=None, message=None, counterexample=None, program=None, adapter_traceback=None,
+                   found_after=None, found_at_example=None)
+    if failing is not None:
+        failure = {name: getattr(failing, name) for name in failure}
+    elif stale:
+        failure.update(failed_clause="CONF-RUN-2",
+                       message=f"known failures that no longer fail (stale baseline entries): {', '.join(stale)}")
+    clauses = _verdicts(coverage, failure["failed_clause"], seen)
+    run_report = first.model_copy(update=dict(
+        seed=seed, passed=failure["failed_clause"] is None,
+        outcome=failing.outcome if failing else "ok" if failure["failed_clause"] is None else "fail",
+        seconds=max(part.seconds for part in parts), examples=sum(part.examples for part in parts),
+        rules=sum(part.rules for part in parts), steps=sum(part.steps for part in parts), **failure,
+        clauses=clauses, run_time_coverage=run_time_coverage(clauses, first.levels),
+        shards=[ShardResult(index=index, seed=part.seed, examples=part.examples, rules=part.rules, steps=part.steps,
+                            seconds=part.seconds, outcome=part.outcome, failed_clause=part.failed_clause,
+                            found_at_example=part.found_at_example) for index, part in enumerate(parts)]))
+    run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
+    return run_report
 
 
 def certification_gaps(run_report: RunReport, level: SpecLevel | None = None) -> list[str]:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hypothesis import reporting
+from hypothesis import seed as use_seed
+from hypothesis.database import ExampleDatabase
 from hypothesis.errors import FlakyFailure, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -17,7 +19,7 @@ from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Scheduling, Session, render
 from kvconform.conformance.machine import machine_for
-from kvconform.conformance.profiles import PROFILES, Profile, profile_settings, programs_from_seed_alone
+from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone
 from kvconform.conformance.shrinker import Replay, Shrinker
 
 
@@ -36,6 +38,9 @@ class RunResult:
     seconds: float
     scheduling: Scheduling = "both"
     found_after: float | None = None
+    examples: int = 0
+    found_at_example: int | None = None
+    """The example, counted from 1, in which the run found its failure: 1 for a failure replayed from the database."""
     rules: int = 0
     steps: int = 0
     adapter_seconds: float = 0.0
@@ -70,20 +75,29 @@ def run(
     call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
     baseline: Baseline | None = None,
     scheduling: Scheduling = "both",
+    database: ExampleDatabase | None = None,
+    shard: Shard = Shard(),
 ) -> RunResult:
-    """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample."""
+    """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample.
+
+    Failing examples stored in `database` (one kind of run's, `examples.RunExamples`) are replayed first, and the
+    run's own failure is stored there (CONF-RUN-5). A `shard` of a split run draws its share of the examples from
+    its own seed.
+    """
     baseline = Baseline() if baseline is None else baseline
     session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example)
     machine = machine_for(session)
+    seed = shard.seed(seed)
     if seed is not None:
-        machine._hypothesis_internal_use_seed = seed
+        use_seed(seed)(machine)
+    settings = profile_settings(profile, seed is not None, database, shard.examples(PROFILES[profile].max_examples))
     started = time.perf_counter()
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
                        coverage=session.coverage)
     try:
         # Hypothesis reports nothing: the result reports the call program
         with reporting.with_reporter(lambda text: None), programs_from_seed_alone(), hang_detection():
-            run_state_machine_as_test(machine, settings=profile_settings(profile, seed is not None))
+            run_state_machine_as_test(machine, settings=settings)
     except ClauseViolation as violation:
         result.found_after = time.perf_counter() - started
         _failed(result, _shrunk(session, Replay(list(session.last_execution.program), violation), PROFILES[profile]),
@@ -109,6 +123,7 @@ def run(
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
     result.rules, result.steps = session.rules, session.steps
+    result.examples, result.found_at_example = session.examples, session.failing_example
     if session.last_execution is not None:
         result.levels = session.last_execution.capabilities.levels
     result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds

@@ -8,7 +8,8 @@ import pytest
 from kvconform.conformance import options, vectors
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.machine import scheduling_modes
-from kvconform.conformance.plugin import RUN_REPORT, SCENARIOS
+from kvconform.conformance.plugin import RUN_REPORT, SCENARIOS, keep_part_report, split_run_options
+from kvconform.conformance.profiles import Shard
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -17,19 +18,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("scenario", chosen, ids=[vector.name for vector in chosen])
 
 
-def test_state_machine(kv_run_options: options.RunOptions, pytestconfig: pytest.Config) -> None:
-    """The adapter agrees with the reference on every drawn operation sequence; writes the reports asked for."""
-    run_report = options.run(kv_run_options)
-    pytestconfig.stash[RUN_REPORT] = run_report
-    try:
-        options.write_reports(kv_run_options, run_report)
-    except options.UsageProblem as problem:
-        pytest.fail(str(problem), pytrace=False)
+def test_state_machine(kv_run_options: options.RunOptions, kv_shard: Shard, pytestconfig: pytest.Config) -> None:
+    """The adapter agrees with the reference on every drawn operation sequence; writes the reports asked for.
+
+    Under xdist, each part of the run leaves writing and certifying to the controller, which merges the parts'
+    reports.
+    """
+    run_report = options.run(split_run_options(pytestconfig, kv_run_options), shard=kv_shard)
+    merged_by_controller = keep_part_report(pytestconfig, kv_shard, run_report)
+    if not merged_by_controller:
+        pytestconfig.stash[RUN_REPORT] = run_report
+        try:
+            options.write_reports(kv_run_options, run_report)
+        except options.UsageProblem as problem:
+            pytest.fail(str(problem), pytrace=False)
     if not run_report.passed:
         traceback = f"\nadapter traceback:\n{run_report.adapter_traceback}" if run_report.adapter_traceback else ""
         pytest.fail(f"[{run_report.failed_clause}] {run_report.message}\ncounterexample:\n"
                     f"{run_report.counterexample}{traceback}", pytrace=False)
-    gaps = options.certification_gaps(kv_run_options, run_report)
+    gaps = [] if merged_by_controller else options.certification_gaps(kv_run_options, run_report)
     if gaps:
         pytest.fail("not certified:\n" + "\n".join(gaps), pytrace=False)
 

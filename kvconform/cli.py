@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -13,6 +15,7 @@ from rich.table import Table
 
 from kvconform.conformance import options, report
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
+from kvconform.conformance.examples import DEFAULT_DATABASE
 from kvconform.conformance.profiles import PROFILES
 
 EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -46,38 +49,79 @@ def main() -> None:
 @click.option("--connector-manifest", default=None,
               help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields")
 @click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
+@click.option("--database", default=DEFAULT_DATABASE, show_default=True,
+              help="Example database: a directory, a Redis URL (redis://host:port), or none")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split the run across N pytest-xdist workers, one part each (needs pytest-xdist)")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str,
                 connector: str | None, connector_config: str | None, connector_manifest: str | None,
-                verbose: bool) -> None:
+                verbose: bool, database: str, workers: int) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
     options.select_connector(connector, connector_config, connector_manifest)
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
-                              report_path=report_path, junit_path=junit_path, certify=certify)
+                              report_path=report_path, junit_path=junit_path, certify=certify, database=database)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
                   f"{options.seed_words(seed)}, scheduling {scheduling}")
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            task = progress.add_task("examples", total=PROFILES[profile].max_examples)
-            run_report = options.run(run, on_example=lambda: progress.advance(task))
-    except KeyboardInterrupt:
-        click.echo("kvconform: interrupted; no report written", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    _print_table(_stdout(), run_report, verbose)
-    try:
-        options.write_reports(run, run_report)
-    except options.UsageProblem as problem:
-        _usage_error(str(problem))
+    if workers > 1:
+        run_report = _run_in_workers(workers, adapter=adapter_spec, profile=profile, seed=seed,
+                                     scheduling=scheduling, call_timeout=call_timeout, database=database,
+                                     known_failures=known_failures_path, report=report_path, junit=junit_path)
+        _print_table(_stdout(), run_report, verbose)
+    else:
+        try:
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console, transient=True) as progress:
+                task = progress.add_task("examples", total=PROFILES[profile].max_examples)
+                run_report = options.run(run, on_example=lambda: progress.advance(task))
+        except KeyboardInterrupt:
+            click.echo("kvconform: interrupted; no report written", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        _print_table(_stdout(), run_report, verbose)
+        try:
+            options.write_reports(run, run_report)
+        except options.UsageProblem as problem:
+            _usage_error(str(problem))
     gaps = options.certification_gaps(run, run_report)
     for gap in gaps:
         click.echo(f"kvconform: not certified: {gap}", err=True)
     sys.exit(EXIT_CONFORMANT if run_report.passed and not gaps else EXIT_NONCONFORMANT)
+
+
+def _run_in_workers(workers: int, **values):
+    """Run the state machine split across `workers` pytest-xdist workers, through the pytest plugin, and return the
+    merged report; pytest's own lines go to stderr, as the progress bar does. `values` are the plugin's --kv-*
+    options; certifying is left to the caller, on the merged report."""
+    import pytest
+
+    from kvconform.conformance.plugin import SUITE, isolated
+    from kvconform.conformance.report import RunReport
+
+    try:
+        import xdist  # noqa: F401  (only its presence is checked here; pytest loads it)
+    except ImportError:
+        _usage_error("--workers needs pytest-xdist: pip install 'kvconform[xdist]'")
+    with tempfile.TemporaryDirectory(prefix="kvconform-") as folder:
+        values["report"] = values["report"] or Path(folder) / "run.json"
+        arguments = [f"{SUITE}::test_state_machine", "-n", str(workers), "-q", *isolated(Path(folder)),
+                     "-W", "ignore::pytest.PytestAssertRewriteWarning",
+                     *(f"--kv-{name.replace('_', '-')}={value}" for name, value in values.items() if value is not None)]
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                status = pytest.main(arguments)
+        except KeyboardInterrupt:
+            status = pytest.ExitCode.INTERRUPTED
+        if status == pytest.ExitCode.INTERRUPTED:
+            click.echo("kvconform: interrupted; no report written", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or not values["report"].exists():
+            _usage_error(f"the run across {workers} workers ended without a report (pytest exit status {int(status)})")
+        return RunReport.model_validate_json(values["report"].read_text())
 
 
 ROWS_THAT_MATTER = ("fail", "known failure", "not exercised")
@@ -234,7 +278,7 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
 
 @main.command("bench")
 @click.option("--only", default=None, metavar="NAMES",
-              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling (default: all)")
+              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling, workers (default: all)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("kvconform-bench.json"), show_default=True, help="Write every figure as JSON here")
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,
@@ -242,7 +286,8 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
 @click.option("--mutants", default=None, metavar="NAMES",
               help="Comma-separated mutants for the counterexample benchmark (default: the whole catalogue)")
 def bench_command(only: str | None, json_path: Path, seeds: int, mutants: str | None) -> None:
-    """Measure harness throughput, time to counterexample, transfer bandwidth and scaling; print a table."""
+    """Measure harness throughput, time to counterexample, transfer bandwidth, scaling and the speed-up across
+    workers; print a table."""
     import dataclasses
 
     from kvconform.benchmarks import figures, suite

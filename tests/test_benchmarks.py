@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from faulty_adapters import faulty, raising
-from kvconform.benchmarks import counterexample, scaling, suite, throughput, transfer
+from kvconform.benchmarks import counterexample, scaling, suite, throughput, transfer, workers
 from kvconform.cli import main
 from kvconform.conformance.mutants import MUTANTS, Mutant
 from kvconform.conformance.profiles import PROFILES, Profile
@@ -29,6 +29,8 @@ TINY = dict(
     transfer=transfer.TransferSettings(token_width=64, job_blocks=(4, 8), pool_blocks=32, repetitions=2),
     scaling=scaling.ScalingSettings(sizes=(40, 120), rounds=2, requests_per_round=2, document_tokens=32,
                                     tail_tokens=4, max_tokens=2, repetitions=1),
+    workers=workers.WorkersSettings(workers=(1,), profile="smoke", catalogue_profile="smoke",
+                                    mutants=("skip-flag-ignored",)),
 )
 
 COUNTS = {"requests", "fraction"}

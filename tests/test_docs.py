@@ -14,7 +14,7 @@ from kvconform.conformance.checks import CHECKS, run_time_clauses
 from kvconform.conformance.report import RunReport
 from kvconform.spec import registry
 
-pytestmark = pytest.mark.docs
+pytestmark = [pytest.mark.docs, pytest.mark.xdist_group("site")]
 ROOT = Path(__file__).resolve().parent.parent
 CLAUSE_REF = re.compile(r"\b[A-Z]+(?:-[A-Z]+)*-\d+\b")
 

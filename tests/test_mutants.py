@@ -9,6 +9,7 @@ from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.mutants.kills import kill
 
 
+@pytest.mark.long
 def test_reference_conforms() -> None:
     """The reference adapter passes the ci profile against the reference model."""
     result = runner.run(ReferenceAdapter, "reference", "ci")
@@ -20,6 +21,7 @@ MAX_SHRUNK_REQUESTS = 6
 two stored prefixes, two requests loading them and two that compete with them for blocks."""
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_killed_with_its_clause(name: str) -> None:
     """The ci profile (derandomised: a fixed seed) kills the mutant with a clause its catalogue row names."""

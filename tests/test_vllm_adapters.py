@@ -212,7 +212,8 @@ def test_recorded_deviation_fails_on_its_release(name: str) -> None:
     """A program recorded for a rare known failure fails exactly its clause on the release it was recorded for."""
     parts, program = deviation(name)
     if parts["version"] != VERSION:
-        pytest.skip(f"{name} is for vLLM {parts['version']}; {VERSION} is installed")
+        pytest.skip(f"{name} is for vLLM {parts['version']}; {VERSION} is installed: "
+                    f"kvconform install-vllm {parts['version']}")
     violation = replay(Session(adapter_class(parts["adapter"].removeprefix("vllm-"))), program).violation
     assert violation is not None and violation.clause == parts["clause"], violation
 
@@ -223,6 +224,7 @@ def variants(adapter) -> dict[str, bool]:
     return {name: getattr(capabilities, name)[0] for name in VARIANTS}
 
 
+@pytest.mark.long
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("kind", ["offloading", "simple-cpu"])

@@ -1,0 +1,97 @@
+"""Benchmark 5: a campaign across cores, as `pytest -n N` runs it — the state machine's examples per second and the
+time to kill the whole mutant catalogue, with each number of workers, in one benchmark run.
+
+Each count of workers runs in a pytest process of its own, started afresh; the speed-ups are the rates at the most
+workers over the rates at the fewest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvconform.benchmarks import catalogue_suite
+from kvconform.benchmarks.figures import Figure, Progress, at_least
+from kvconform.conformance.mutants import MUTANTS
+from kvconform.conformance.plugin import SUITE, isolated
+
+NAME = "workers"
+
+
+@dataclass(frozen=True)
+class WorkersSettings:
+    workers: tuple[int, ...] = (1, 2)
+    profile: str = "dev"
+    """The profile of the state-machine runs, reference adapter against the reference model."""
+    seed: int = 0
+    catalogue_profile: str = "ci"
+    mutants: tuple[str, ...] = tuple(MUTANTS)
+
+
+@dataclass(frozen=True)
+class PytestRun:
+    seconds: float
+    passed: bool
+    report: dict | None
+
+
+def measure(settings: WorkersSettings, progress: Progress) -> list[Figure]:
+    """Return examples/s and the catalogue's time to kill per count of workers, and the speed-up of each."""
+    rates, kills = {}, {}
+    for workers in settings.workers:
+        progress(f"{NAME}: state machine, reference adapter, profile {settings.profile}, {workers} worker(s)")
+        run = _state_machine(settings, workers)
+        parts = run.report["shards"]
+        rates[workers] = (run.report["examples"] / max(part["seconds"] for part in parts),
+                          f"{run.report['examples']} examples, {run.seconds:.1f} s with the workers' start")
+    for workers in settings.workers:
+        progress(f"{NAME}: {len(settings.mutants)} mutants, profile {settings.catalogue_profile}, {workers} worker(s)")
+        run = _catalogue(settings, workers)
+        kills[workers] = (run.seconds, "every mutant killed" if run.passed else "NOT every mutant was killed")
+    fewest, most = min(settings.workers), max(settings.workers)
+    figures = [Figure(benchmark=NAME, figure=f"state machine examples/s, {workers} worker(s)", value=rate,
+                      unit="examples/s", note=note) for workers, (rate, note) in rates.items()]
+    figures.append(Figure(benchmark=NAME, figure=f"state machine speed-up, {most} / {fewest} workers",
+                          value=rates[most][0] / rates[fewest][0], unit="ratio", target=at_least(0.9 * most / fewest),
+                          note="examples/s over the longest part's time"))
+    figures += [Figure(benchmark=NAME, figure=f"mutant catalogue time to kill, {workers} worker(s)", value=seconds,
+                       unit="s", note=note) for workers, (seconds, note) in kills.items()]
+    figures.append(Figure(benchmark=NAME, figure=f"mutant catalogue speed-up, {most} / {fewest} workers",
+                          value=kills[fewest][0] / kills[most][0], unit="ratio", target=at_least(0.9 * most / fewest),
+                          note=f"{len(settings.mutants)} mutants, profile {settings.catalogue_profile}, wall-clock "
+                               "with the workers' start"))
+    return figures
+
+
+def _state_machine(settings: WorkersSettings, workers: int) -> PytestRun:
+    with tempfile.TemporaryDirectory(prefix="kvconform-bench-") as folder:
+        path = Path(folder) / "run.json"
+        run = _pytest(Path(folder), workers, [f"{SUITE}::test_state_machine", "--kv-adapter=reference",
+                                              f"--kv-profile={settings.profile}", f"--kv-seed={settings.seed}",
+                                              "--kv-database=none", f"--kv-report={path}"], {})
+        if not path.exists():
+            raise RuntimeError(f"the state-machine run with {workers} worker(s) wrote no report")
+        return PytestRun(run.seconds, run.passed, json.loads(path.read_text()))
+
+
+def _catalogue(settings: WorkersSettings, workers: int) -> PytestRun:
+    with tempfile.TemporaryDirectory(prefix="kvconform-bench-") as folder:
+        return _pytest(Path(folder), workers, [catalogue_suite.__file__],
+                       {catalogue_suite.PROFILE_VARIABLE: settings.catalogue_profile,
+                        catalogue_suite.MUTANTS_VARIABLE: ",".join(settings.mutants)})
+
+
+def _pytest(folder: Path, workers: int, arguments: list[str], environment: dict[str, str]) -> PytestRun:
+    """Run pytest under `workers` xdist workers in a process of its own; return its wall-clock time and verdict."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(workers), *isolated(folder), *arguments],
+                          capture_output=True, text=True, cwd=folder, env={**os.environ, **environment})
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"pytest with {workers} worker(s) ended with status {done.returncode}: {done.stdout[-2000:]}")
+    return PytestRun(time.perf_counter() - started, done.returncode == 0, None)
