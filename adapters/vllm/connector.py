@@ -12,7 +12,8 @@ outside. Only the connector level's observations are reported: the connector is 
 vLLM's own CPU offloading connectors copy with CUDA kernels on their worker side. Named by their factory name,
 `OffloadingConnector` and `SimpleCPUOffloadConnector` get the CPU transfer seam of their white-box adapters (`SEAMS`):
 vLLM's code throughout, the kit's torch copies in place of the kernels, transfers finishing when the harness completes
-them; the seam's extra config comes first and `KVCONFORM_CONNECTOR_CONFIG` overrides any field of it.
+them; `LMCacheConnectorV1` gets a torch copy for LMCache (`lmcache.py`). The seam's extra config comes first and
+`KVCONFORM_CONNECTOR_CONFIG` overrides any field of it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 from kvconform.adapters.contract import Capabilities, EngineConfig
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
+from kvconform.adapters.vllm.lmcache import LMCacheSeam
 from kvconform.adapters.vllm.offloading import OffloadingSeam
 from kvconform.adapters.vllm.simple_cpu import SimpleCPUSeam
 
@@ -38,8 +40,9 @@ DEFAULT_MANIFEST = {"async_scheduling": True, "eviction_policies": ("lru",), "bl
                     "transfer_failures": False, "reset_connector": False}
 """What a connector is asked for unless its seam or manifest says more: its store's policy and chunking are its own."""
 
-SEAMS: dict[str, type[TransferSeam]] = {"OffloadingConnector": OffloadingSeam, "SimpleCPUOffloadConnector": SimpleCPUSeam}
-"""The CPU transfer seams of vLLM's own connectors whose workers copy with CUDA, by factory name."""
+SEAMS: dict[str, type[TransferSeam]] = {"OffloadingConnector": OffloadingSeam, "SimpleCPUOffloadConnector": SimpleCPUSeam,
+                                         "LMCacheConnectorV1": LMCacheSeam}
+"""The CPU seams of connectors whose workers copy with CUDA, by factory name (`lmcache.py` for LMCache's)."""
 
 
 class VllmConnectorAdapter(VllmAdapter):
@@ -112,6 +115,7 @@ class VllmConnectorAdapter(VllmAdapter):
         return 0
 
     def close(self) -> None:
+        self.seam.close()
         self.storage.cleanup()
 
 

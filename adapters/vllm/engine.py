@@ -193,8 +193,15 @@ class TransferSeam:
         """Return the rows of the kit's CPU store tensor the seam's copies use; none here."""
         return 0
 
+    def prepare_worker(self, vllm_config: Any) -> None:
+        """Give the worker process what the connector needs before it is built (inside `vllm_config`'s context);
+        nothing here."""
+
     def worker_built(self, worker: Any) -> None:
         """Put the seam's transfers into the worker-side connector; nothing here."""
+
+    def close(self) -> None:
+        """Release what the seam built beyond the engine (a vendor's process-wide state); nothing here."""
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         """Let the transfers the seam holds finish; with no seam the connector runs its transfers itself and the
@@ -300,9 +307,11 @@ class VllmAdapter(KVConnectorAdapter):
             structured_output_manager=self.rt.structured.StructuredOutputManager(self.vllm_config),
             block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
         )
-        self.worker = self.rt.factory.KVConnectorFactory.create_connector(
-            config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
-            kv_cache_config=self.kv_cache_config)
+        with self.rt.config.set_current_vllm_config(self.vllm_config):  # as vLLM's worker builds its connector
+            self.seam.prepare_worker(self.vllm_config)
+            self.worker = self.rt.factory.KVConnectorFactory.create_connector(
+                config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
+                kv_cache_config=self.kv_cache_config)
         self.worker_built(self.worker)
         self.runner = runner_glue(self.rt, self.vllm_config, self.worker, {KV_LAYER: self.transfer.gpu})
         self.scheduler.finished_req_ids = FinishOrder()
