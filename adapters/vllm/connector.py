@@ -112,7 +112,8 @@ class VllmConnectorAdapter(VllmAdapter):
         return 0
 
     def jobs_in_flight(self) -> int:
-        return 0
+        """Return the transfers the seam holds for the harness to complete: the connector's own are its business."""
+        return len(self.transfers.held)
 
     def close(self) -> None:
         self.seam.close()

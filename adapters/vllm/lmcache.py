@@ -23,14 +23,22 @@ GPU block.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
 import torch
 
 from kvconform.adapters.contract import EngineConfig
+from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
+
+INSTALL = ("pip install --no-deps lmcache==0.5.6 && pip install numba==0.68.1 aiofile==3.12.3 fastapi==0.165.0 "
+           "uvicorn==0.55.0")
+"""LMCache 0.5.6 and the packages its vLLM integration imports on CPU, measured over vLLM 0.24.0 (`kvconform
+install-vllm 0.24.0`) and torch 2.13.0: the wheel's own pins want CUDA builds (cupy, cuda-python, nvtx) and servers
+this set-up never starts."""
 
 LMCACHE_ENVIRONMENT = {"LMCACHE_LOG_LEVEL": "CRITICAL", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
 """LMCache's own switches, set unless the user set them: only critical errors on stderr (it logs an error per engine built in one process), no usage reports, no banner."""
@@ -43,6 +51,8 @@ class LMCacheSeam(TransferSeam):
     """LMCacheConnectorV1 with its local CPU backend, in-process, copying with `TorchPagedCopy`."""
 
     def __init__(self, adapter: VllmAdapter) -> None:
+        if importlib.util.find_spec("lmcache") is None:
+            raise AdapterNotFound(f"LMCacheConnectorV1 needs lmcache, which is not installed: {INSTALL}")
         self.adapter = adapter
         for variable, value in LMCACHE_ENVIRONMENT.items():
             os.environ.setdefault(variable, value)
