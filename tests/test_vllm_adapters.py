@@ -364,6 +364,16 @@ LMCACHE_FAULTS = [
 a skip-read request answered its hit (it never reads the flag)."""
 
 
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.skipif(importlib.util.find_spec("lmcache") is not None, reason="lmcache is installed")
+def test_lmcache_absent_is_one_line_exit_2_naming_its_install(connector_environment: None) -> None:
+    """Without lmcache, naming LMCacheConnectorV1 is a usage error that gives the one-line install."""
+    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--connector", "LMCacheConnectorV1"])
+    assert result.exit_code == 2 and lmcache.INSTALL in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
 @pytest.mark.lmcache
 @pytest.mark.vllm
 @needs_lmcache
