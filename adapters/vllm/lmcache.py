@@ -70,14 +70,36 @@ class LMCacheSeam(TransferSeam):
             gpu_connector.CreateGPUConnector = CPUConnectorFactory(gpu_connector.CreateGPUConnector)
 
     def close(self) -> None:
-        """Destroy LMCache's engine, which it keeps process-wide by name (`LMCacheEngineBuilder`), or the next engine of
-        this process would find this one's store. Its services are left running: `LMCacheManager.stop_services`
-        closes the ZMQ sockets of the lookup and offload servers from another thread while theirs still poll them
-        (v1/manager.py `_safe_close`), which aborts the process in libzmq when both roles share it."""
+        """Stop what LMCache started for this engine and destroy its engine, which LMCache keeps process-wide by name
+        (`LMCacheEngineBuilder`): otherwise the next engine of this process finds this one's store, and every engine
+        leaves two server threads and their sockets behind. LMCache's own `LMCacheManager.stop_services` cannot be
+        used in one process: it closes the offload server's socket from another thread while the server blocks in
+        `recv` on it (v1/offload_server/zmq_server.py), which aborts the process in libzmq, and the lookup client
+        terminates the process-wide ZMQ context the worker's sockets still use (v1/rpc/zmq_transport.py)."""
         from lmcache.integration.vllm.utils import ENGINE_NAME
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
+        worker = self.adapter.worker._lmcache_engine._manager
+        stop_server(worker._lookup_server, worker._lookup_server.transport.socket)
+        worker._lookup_server.transport.ctx.term()
+        stop_server(worker._offload_server, worker._offload_server.socket)
         LMCacheEngineBuilder.destroy(ENGINE_NAME)
+        for socket in self.adapter.scheduler.connector._lmcache_engine._manager._lookup_client.transport.sockets:
+            socket.close(linger=0)
+
+
+def stop_server(server: Any, socket: Any) -> None:
+    """Stop an LMCache server thread that serves `socket`: clear its `running` flag, wake its `recv` with one
+    message (it answers none, the flag being down), wait for the thread, then close the socket from here."""
+    import zmq
+
+    server.running = False
+    with zmq.Context.instance().socket(zmq.REQ) as waker:
+        waker.setsockopt(zmq.LINGER, 0)
+        waker.connect(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        waker.send(b"stop")
+        server.thread.join()
+    socket.close(linger=0)
 
 
 class CPUConnectorFactory:
