@@ -177,8 +177,9 @@ class TransferSeam:
 
     vLLM's own offloading connectors copy with CUDA kernels on their worker side; their seams
     (`offloading.OffloadingSeam`, `simple_cpu.SimpleCPUSeam`) put the kit's torch copies (`transfers.HeldTransfers`)
-    in their place and size the connector's CPU store to the engine config. They are all a white-box adapter and
-    `vllm-connector` need to run such a connector on CPU; what either observes is not the seam's business.
+    in their place and size the connector's CPU store to the engine config; LMCache's (`lmcache.LMCacheSeam`) gives
+    it a torch copy of its own. They are all a white-box adapter and `vllm-connector` need to run such a connector on
+    CPU; what either observes is not the seam's business.
     """
 
     def capabilities(self) -> dict[str, Any]:
@@ -193,9 +194,9 @@ class TransferSeam:
         """Return the rows of the kit's CPU store tensor the seam's copies use; none here."""
         return 0
 
-    def prepare_worker(self, vllm_config: Any) -> None:
-        """Give the worker process what the connector needs before it is built (inside `vllm_config`'s context);
-        nothing here."""
+    def prepare_worker(self) -> None:
+        """Give the worker process what the connector needs before it is built (called inside the engine's vLLM
+        config context); nothing here."""
 
     def worker_built(self, worker: Any) -> None:
         """Put the seam's transfers into the worker-side connector; nothing here."""
@@ -308,7 +309,7 @@ class VllmAdapter(KVConnectorAdapter):
             block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
         )
         with self.rt.config.set_current_vllm_config(self.vllm_config):  # as vLLM's worker builds its connector
-            self.seam.prepare_worker(self.vllm_config)
+            self.seam.prepare_worker()
             self.worker = self.rt.factory.KVConnectorFactory.create_connector(
                 config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
                 kv_cache_config=self.kv_cache_config)

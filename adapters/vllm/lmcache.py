@@ -62,7 +62,7 @@ class LMCacheSeam(TransferSeam):
         return {"lmcache.chunk_size": CHUNK_TOKENS, "lmcache.local_cpu": True, "lmcache.max_local_cpu_size": 0.05,
                 "lmcache.internal_api_server_enabled": False}
 
-    def prepare_worker(self, vllm_config: Any) -> None:
+    def prepare_worker(self) -> None:
         from lmcache.v1 import gpu_connector
 
         runtime.single_worker_group()
