@@ -41,7 +41,8 @@ install-vllm 0.24.0`) and torch 2.13.0: the wheel's own pins want CUDA builds (c
 this set-up never starts."""
 
 LMCACHE_ENVIRONMENT = {"LMCACHE_LOG_LEVEL": "CRITICAL", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}
-"""LMCache's own switches, set unless the user set them: only critical errors on stderr (it logs an error per engine built in one process), no usage reports, no banner."""
+"""LMCache's own switches, set unless the user set them: only critical errors on stderr (it logs an error for each
+engine built after the first in one process), no usage reports, no banner."""
 
 CHUNK_TOKENS = 16
 """LMCache's chunk size here (its default is 256): prompts of the kit's programs span a few chunks."""
@@ -79,6 +80,8 @@ class LMCacheSeam(TransferSeam):
         from lmcache.integration.vllm.utils import ENGINE_NAME
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
+        if self.adapter.worker is None:  # the engine was never built
+            return
         worker = self.adapter.worker._lmcache_engine._manager
         stop_server(worker._lookup_server, worker._lookup_server.transport.socket)
         worker._lookup_server.transport.ctx.term()
