@@ -8,11 +8,13 @@ failures shipped with the adapter.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 from collections.abc import Iterator
+from typing import Any
 from importlib import resources
 
 import pytest
@@ -20,7 +22,7 @@ from click.testing import CliRunner
 
 from kvconform.adapters.contract import VARIANTS, EngineConfig, RequestSpec
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.adapters.vllm import install, runtime
+from kvconform.adapters.vllm import install, lmcache, runtime
 from kvconform.cli import main
 from kvconform.conformance import baseline, options, runner, vectors
 from kvconform.conformance.checks import ClauseViolation
@@ -297,4 +299,142 @@ def test_example_connector_fails_the_connector_level(connector_environment: None
         program += [Call("add_request", (request,)), Call("drain")]
     assert replay(Session(ReferenceAdapter), program).violation is None
     violation = replay(Session(VllmConnectorAdapter), program).violation
+    assert violation is not None and violation.clause == clause, violation
+
+
+# --- vllm-connector on connectors whose workers copy with CUDA: the seams -------------------------
+
+
+def connector_adapter(name: str) -> type:
+    """Return `vllm-connector` with connector `name` selected (the fixture `connector_environment` forgets it)."""
+    options.select_connector(name)
+    from kvconform.adapters.vllm.connector import VllmConnectorAdapter
+
+    return VllmConnectorAdapter
+
+
+def offered_after_local_reset(adapter: Any, prompt: tuple[int, ...]) -> int:
+    """KVC-SAVE-1's positive control on vLLM's own schedule: run `prompt` to its end and a few steps more (a
+    connector may store a finished request's blocks in later steps), reset the local prefix cache only, send the
+    prompt again and return the external tokens the connector offers it; the adapter is closed."""
+    adapter.start(EngineConfig(block_size_factor=1, num_offload_blocks=32))
+    adapter.add_request(RequestSpec(request_id="first", prompt=prompt, max_tokens=3))
+    for _ in range(6):
+        adapter.complete_transfers(False, False)
+        adapter.step()
+    assert adapter.reset_prefix_cache(False)
+    adapter.add_request(RequestSpec(request_id="again", prompt=prompt))
+    answers = [a for a in adapter.step().match_answers if a.request_id == "again"]
+    adapter.close()
+    return answers[0].external_tokens or 0
+
+
+SEAM_CONNECTORS = {"offloading": "OffloadingConnector", "simple-cpu": "SimpleCPUOffloadConnector"}
+"""vLLM's own offloading connectors by the kind of their white-box adapter."""
+
+
+def skip_read_program(async_scheduling: bool, prompt: tuple[int, ...]) -> list[Call]:
+    """Return vLLM's regression scenario for the seed rule, then a plain read of the same prompt: fill the store,
+    reset the local prefix cache, send the prompt with skip_reading_prefix_cache, reset again, send it again. Each
+    request decodes 3 tokens: up to 0.24 the SimpleCPUOffloadConnector never stores the blocks of a request that
+    finishes in the step that fills them (vllm-simple-cpu's OFF-STORE-1)."""
+    program = [Call("start", (EngineConfig(block_size_factor=1, async_scheduling=async_scheduling),))]
+    for request_id, skip in (("fill", False), ("skip", True), ("read", False)):
+        program += [Call("add_request", (RequestSpec(request_id=request_id, prompt=prompt, max_tokens=3,
+                                                     skip_reading_prefix_cache=skip),)),
+                    Call("drain"), Call("reset_prefix_cache", (False,))]
+    return program
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("kind", sorted(SEAM_CONNECTORS))
+def test_black_box_agrees_with_white_box_on_the_seed_rule(connector_environment: None, kind: str,
+                                                           async_scheduling: bool) -> None:
+    """KVC-SKIP-1 through vllm-connector, with the connector's CPU seam and no vendor code: it fails exactly on the
+    releases whose white-box adapter fails OFF-READ-1 (the OffloadingConnector on 0.23.0, the SimpleCPUOffloadConnector
+    up to 0.24.0); elsewhere the whole program passes, the plain read's loaded bytes included (KVC-DATA-1)."""
+    program = skip_read_program(async_scheduling, (0, 1, 2, 3) * 6)
+    assert replay(Session(ReferenceAdapter), program).violation is None
+    adapter = connector_adapter(SEAM_CONNECTORS[kind])
+    violation = replay(Session(adapter), program).violation
+    if SEED_BUG_FIXED[kind]:
+        assert violation is None, violation
+    else:
+        assert violation is not None and violation.clause == "KVC-SKIP-1", violation
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("kind", sorted(SEAM_CONNECTORS))
+def test_black_box_seam_saves_and_reports_the_connector_level_only(connector_environment: None, kind: str) -> None:
+    """KVC-SAVE-1's positive control passes through the seam (it moves the bytes), and the black box claims and
+    reports the connector level alone: none of the offloading level's observations."""
+    adapter = connector_adapter(SEAM_CONNECTORS[kind])()
+    assert adapter.capabilities().levels == ("connector",)
+    observations = []
+    adapter.step = lambda step=adapter.step: observations.append(step()) or observations[-1]
+    assert offered_after_local_reset(adapter, (1, 2, 3, 0) * 6) > 0
+    assert not any(o.lookups or o.loads or o.store_offers or o.stores or o.evicted for o in observations), observations
+
+
+# --- LMCache ------------------------------------------------------------------------------------
+
+LMCACHE_VLLM = "0.24.0"
+"""The vLLM release LMCache 0.5.6 runs with: on 0.34.0 its build_connector_meta raises AttributeError for every
+request it sees again (0.34's CachedRequestData has no resumed_req_ids; vllm_v1_adapter.py:1761-1773)."""
+needs_lmcache = pytest.mark.skipif(importlib.util.find_spec("lmcache") is None or VERSION != LMCACHE_VLLM,
+                                   reason=f"needs lmcache 0.5.6 over vLLM {LMCACHE_VLLM}: "
+                                          f"kvconform install-vllm {LMCACHE_VLLM} && {lmcache.INSTALL}")
+
+LMCACHE_PROMPT = tuple(range(40))
+"""Two and a half of LMCache's 16-token chunks."""
+
+LMCACHE_FAULTS = [
+    ("KVC-HIT-1", [Call("add_request", (RequestSpec(request_id="a", prompt=LMCACHE_PROMPT, cache_salt="tenant-a"),)),
+                   Call("drain"), Call("reset_prefix_cache", (False,)),
+                   Call("add_request", (RequestSpec(request_id="b", prompt=LMCACHE_PROMPT, cache_salt="tenant-b"),)),
+                   Call("drain")]),
+    ("KVC-SKIP-1", skip_read_program(False, LMCACHE_PROMPT)[1:]),
+]
+"""Programs LMCache 0.5.6 fails on vLLM 0.24.0: another tenant's chunks offered (its keys hash token ids only), and
+a skip-read request answered its hit (it never reads the flag)."""
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.skipif(importlib.util.find_spec("lmcache") is not None, reason="lmcache is installed")
+def test_lmcache_absent_is_one_line_exit_2_naming_its_install(connector_environment: None) -> None:
+    """Without lmcache, naming LMCacheConnectorV1 is a usage error that gives the one-line install."""
+    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--connector", "LMCacheConnectorV1"])
+    assert result.exit_code == 2 and lmcache.INSTALL in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.lmcache
+@pytest.mark.vllm
+@needs_lmcache
+def test_lmcache_reloads_what_it_saved_byte_for_byte(connector_environment: None) -> None:
+    """LMCacheConnectorV1 through vllm-connector and the torch copy: a prompt saved, the local prefix cache reset,
+    the prompt asked again with two tokens more is offered whole chunks and loads them byte for byte (KVC-SAVE-1's
+    positive control, KVC-HIT-1, KVC-DATA-1)."""
+    adapter = connector_adapter("LMCacheConnectorV1")
+    assert offered_after_local_reset(adapter(), LMCACHE_PROMPT) == 32
+    program = [Call("start", (EngineConfig(block_size_factor=1),)), *LMCACHE_FAULTS[0][1][:3],
+               Call("add_request", (RequestSpec(request_id="longer", prompt=LMCACHE_PROMPT + (7, 7),
+                                                cache_salt="tenant-a"),)), Call("drain")]
+    assert replay(Session(adapter), program).violation is None
+
+
+@pytest.mark.lmcache
+@pytest.mark.vllm
+@needs_lmcache
+@pytest.mark.parametrize("clause, calls", LMCACHE_FAULTS, ids=[clause for clause, _ in LMCACHE_FAULTS])
+def test_lmcache_fails_its_known_failures(connector_environment: None, clause: str, calls: list[Call]) -> None:
+    """Each clause LMCache's known-failures file lists fails on a short program the reference passes."""
+    assert clause in known_failures("vllm-connector-LMCacheConnectorV1").entries
+    program = [Call("start", (EngineConfig(block_size_factor=1),)), *calls]
+    assert replay(Session(ReferenceAdapter), program).violation is None
+    violation = replay(Session(connector_adapter("LMCacheConnectorV1")), program).violation
     assert violation is not None and violation.clause == clause, violation

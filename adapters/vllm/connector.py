@@ -8,6 +8,12 @@ and the model runner glue calls the connector as vLLM's attention layers do, lay
 claims (`KVCONFORM_CONNECTOR_MANIFEST`, a JSON object of `Capabilities` fields) defaults to what any connector
 inside vLLM can be asked: async scheduling, aborts, no failure injection, no connector reset, no preemption from
 outside. Only the connector level's observations are reported: the connector is a black box.
+
+vLLM's own CPU offloading connectors copy with CUDA kernels on their worker side. Named by their factory name,
+`OffloadingConnector` and `SimpleCPUOffloadConnector` get the CPU transfer seam of their white-box adapters (`SEAMS`):
+vLLM's code throughout, the kit's torch copies in place of the kernels, transfers finishing when the harness completes
+them; `LMCacheConnectorV1` gets a torch copy for LMCache (`lmcache.py`). The seam's extra config comes first and
+`KVCONFORM_CONNECTOR_CONFIG` overrides any field of it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from pydantic import ValidationError
 
 from kvconform.adapters.contract import Capabilities, EngineConfig
 from kvconform.adapters.registry import AdapterNotFound
-from kvconform.adapters.vllm.engine import VllmAdapter
+from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
+from kvconform.adapters.vllm.lmcache import LMCacheSeam
+from kvconform.adapters.vllm.offloading import OffloadingSeam
+from kvconform.adapters.vllm.simple_cpu import SimpleCPUSeam
 
 CONNECTOR = "KVCONFORM_CONNECTOR"
 CONNECTOR_CONFIG = "KVCONFORM_CONNECTOR_CONFIG"
@@ -29,7 +38,11 @@ CONNECTOR_MANIFEST = "KVCONFORM_CONNECTOR_MANIFEST"
 
 DEFAULT_MANIFEST = {"async_scheduling": True, "eviction_policies": ("lru",), "block_size_factors": (1,),
                     "transfer_failures": False, "reset_connector": False}
-"""What a connector is asked for unless its manifest says more: its store's policy and chunking are its own."""
+"""What a connector is asked for unless its seam or manifest says more: its store's policy and chunking are its own."""
+
+SEAMS: dict[str, type[TransferSeam]] = {"OffloadingConnector": OffloadingSeam, "SimpleCPUOffloadConnector": SimpleCPUSeam,
+                                         "LMCacheConnectorV1": LMCacheSeam}
+"""The CPU seams of connectors whose workers copy with CUDA, by factory name (`lmcache.py` for LMCache's)."""
 
 
 class VllmConnectorAdapter(VllmAdapter):
@@ -47,6 +60,8 @@ class VllmConnectorAdapter(VllmAdapter):
         module, _, class_name = self.connector_spec.rpartition(":")
         self.connector_name, self.module_path = class_name, module or None
         self._check_connector()
+        if self.module_path is None and self.connector_name in SEAMS:
+            self.seam = SEAMS[self.connector_name](self)
         self.storage = tempfile.TemporaryDirectory(prefix="kvconform-connector-")
 
     def _check_connector(self) -> None:
@@ -69,30 +84,26 @@ class VllmConnectorAdapter(VllmAdapter):
     def capabilities(self) -> Capabilities:
         shared = {key: value for key, value in self.base_capabilities().items() if key in ("preemption", "abort")}
         try:
-            return Capabilities(**{**DEFAULT_MANIFEST, **shared, **self.manifest, "levels": ("connector",)})
+            return Capabilities(**{**DEFAULT_MANIFEST, **self.seam.capabilities(), **shared, **self.manifest,
+                                   "levels": ("connector",)})
         except ValidationError as error:
             raise AdapterNotFound(f"{CONNECTOR_MANIFEST}: {error.errors()[0]['loc']}: "
                                   f"{error.errors()[0]['msg']}") from None
 
     def extra_config(self, config: EngineConfig) -> dict[str, Any]:
-        """The user's extra config; ExampleConnector's store directory, if not given, is fresh for each engine."""
+        """The user's extra config over the seam's; ExampleConnector's store directory, if not given, is fresh for each
+        engine."""
         directory = tempfile.mkdtemp(dir=self.storage.name)
-        return {"shared_storage_path": directory, **self.connector_config}
+        return {"shared_storage_path": directory, **self.seam.extra_config(config), **self.connector_config}
 
     def transfer_config(self) -> dict[str, Any]:
         return {"kv_connector_module_path": self.module_path} if self.module_path else {}
-
-    def store_slots(self, config: EngineConfig) -> int:
-        return 0  # the connector's store is its own
 
     def observe_metadata(self, meta: Any) -> None:
         """The metadata is the connector's own business at this level."""
 
     def observe_connector(self, observation: dict[str, Any]) -> None:
         """No offloading-level fields: a black box reports the connector level's only."""
-
-    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
-        """The connector runs its transfers itself; the engine only waits for them in its steps."""
 
     def store_contents(self) -> Any:
         raise NotImplementedError("vllm-connector reports the connector level only (Capabilities.levels)")
@@ -101,9 +112,11 @@ class VllmConnectorAdapter(VllmAdapter):
         return 0
 
     def jobs_in_flight(self) -> int:
-        return 0
+        """Return the transfers the seam holds for the harness to complete: the connector's own are its business."""
+        return len(self.transfers.held)
 
     def close(self) -> None:
+        self.seam.close()
         self.storage.cleanup()
 
 

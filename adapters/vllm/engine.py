@@ -173,10 +173,49 @@ def runner_glue(rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: d
     return glue(rt, vllm_config, worker, kv_caches)
 
 
+class TransferSeam:
+    """How a connector's transfers run without CUDA. This one: the connector runs them itself, the kit lends it nothing.
+
+    vLLM's own offloading connectors copy with CUDA kernels on their worker side; their seams
+    (`offloading.OffloadingSeam`, `simple_cpu.SimpleCPUSeam`) put the kit's torch copies (`transfers.HeldTransfers`)
+    in their place and size the connector's CPU store to the engine config; LMCache's (`lmcache.LMCacheSeam`) gives
+    it a torch copy of its own. They are all a white-box adapter and `vllm-connector` need to run such a connector on
+    CPU; what either observes is not the seam's business.
+    """
+
+    def capabilities(self) -> dict[str, Any]:
+        """Return the capability fields the seam decides (policies, chunk sizes, failed transfers); none here."""
+        return {}
+
+    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
+        """Return the connector's extra config fields that plug the seam in and size its store; none here."""
+        return {}
+
+    def store_slots(self, config: EngineConfig) -> int:
+        """Return the rows of the kit's CPU store tensor the seam's copies use; none here."""
+        return 0
+
+    def prepare_worker(self) -> None:
+        """Give the worker process what the connector needs before it is built (called inside the engine's vLLM
+        config context); nothing here."""
+
+    def worker_built(self, worker: Any) -> None:
+        """Put the seam's transfers into the worker-side connector; nothing here."""
+
+    def close(self) -> None:
+        """Release what the seam built beyond the engine (a vendor's process-wide state); nothing here."""
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        """Let the transfers the seam holds finish; with no seam the connector runs its transfers itself and the
+        engine only waits for them in its steps."""
+
+
 class VllmAdapter(KVConnectorAdapter):
     """Drives one real vLLM scheduler with a KV connector; subclasses add the connector-specific observations."""
 
     connector_name: str = ""
+    seam: TransferSeam = TransferSeam()
+    """How the connector's transfers run on this CPU-only machine; subclasses set theirs."""
 
     def __init__(self) -> None:
         self.rt = runtime.load()
@@ -186,23 +225,27 @@ class VllmAdapter(KVConnectorAdapter):
 
     # --- what a connector adapter provides -----------------------------------------------------
 
-    @abc.abstractmethod
     def extra_config(self, config: EngineConfig) -> dict[str, Any]:
-        """Return the connector's `kv_connector_extra_config` for `config`."""
+        """Return the connector's `kv_connector_extra_config` for `config`: by default, its seam's."""
+        return self.seam.extra_config(config)
 
     def attach(self) -> None:
         """Wrap the connector's objects once the scheduler and the worker-side connector exist; by default none."""
 
     def store_slots(self, config: EngineConfig) -> int:
-        """Return the store rows (in offloaded blocks) the transfer engine holds."""
-        return config.num_offload_blocks
+        """Return the store rows (in offloaded blocks) the transfer engine holds: those of the seam."""
+        return self.seam.store_slots(config)
 
     def transfer_config(self) -> dict[str, Any]:
         """Return more `KVTransferConfig` fields (a connector's module path); by default none."""
         return {}
 
     def worker_built(self, worker: Any) -> None:
-        """Adjust the worker-side connector before its KV caches are registered; the default keeps it."""
+        """Adjust the worker-side connector before its KV caches are registered: the seam's worker, if it has one."""
+        self.seam.worker_built(worker)
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        self.seam.complete_transfers(fail_loads, fail_stores)
 
     @abc.abstractmethod
     def observe_metadata(self, meta: Any) -> None:
@@ -266,9 +309,11 @@ class VllmAdapter(KVConnectorAdapter):
             structured_output_manager=self.rt.structured.StructuredOutputManager(self.vllm_config),
             block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
         )
-        self.worker = self.rt.factory.KVConnectorFactory.create_connector(
-            config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
-            kv_cache_config=self.kv_cache_config)
+        with self.rt.config.set_current_vllm_config(self.vllm_config):  # as vLLM's worker builds its connector
+            self.seam.prepare_worker()
+            self.worker = self.rt.factory.KVConnectorFactory.create_connector(
+                config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
+                kv_cache_config=self.kv_cache_config)
         self.worker_built(self.worker)
         self.runner = runner_glue(self.rt, self.vllm_config, self.worker, {KV_LAYER: self.transfer.gpu})
         self.scheduler.finished_req_ids = FinishOrder()

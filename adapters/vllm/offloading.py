@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from kvconform.adapters.contract import (
@@ -23,9 +24,8 @@ from kvconform.adapters.contract import (
     StoreJob,
     StoreSnapshot,
 )
-from kvconform.adapters.vllm.engine import VllmAdapter, wrap
-
-_SESSION_IDS = itertools.count()
+from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, wrap
+from kvconform.adapters.vllm.transfers import HeldTransfers
 
 
 class VllmOffloadingAdapter(VllmAdapter):
@@ -34,10 +34,13 @@ class VllmOffloadingAdapter(VllmAdapter):
     name = "vllm-offloading"
     connector_name = "OffloadingConnector"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.seam = OffloadingSeam(self, self.manager_built)
+
     def capabilities(self) -> Capabilities:
-        return Capabilities(async_scheduling=True, eviction_policies=("lru", "arc"), block_size_factors=(1, 2, 3),
-                            transfer_failures=self.reports_failures(), offer_at_finish=(self.offers_at_finish(),),
-                            flush_on_hit=(self.flushes_on_hit(),),
+        return Capabilities(async_scheduling=True, **self.seam.capabilities(),
+                            offer_at_finish=(self.offers_at_finish(),), flush_on_hit=(self.flushes_on_hit(),),
                             lookup_after_failed_load=(not self.skips_lookup_after_failed_load(),),
                             restart_offers_on_lookup=(self.restarts_offers_on_lookup(),),
                             **self.base_capabilities())
@@ -48,33 +51,6 @@ class VllmOffloadingAdapter(VllmAdapter):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 
         return "finished_req_ids" in inspect.getsource(OffloadingConnectorScheduler._build_store_jobs)
-
-    def reports_failures(self) -> bool:
-        """Return whether the worker side can report a failed transfer: up to 0.24 it asserts every transfer
-        succeeded ("we currently do not support job failures", offloading/worker.py get_finished); 0.32+ marks
-        failed jobs completed with success=False."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-
-        return "success" in inspect.signature(OffloadingWorkerMetadata.mark_completed).parameters
-
-    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
-        from kvconform.adapters.vllm import offloading_spec
-
-        self.session_id = f"kvconform-{next(_SESSION_IDS)}"
-        offloading_spec.SESSIONS[self.session_id] = self
-        alignment = offloading_spec.CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
-        chunk = config.block_size * config.token_width * self.transfer.gpu.element_size() * config.block_size_factor
-        aligned_chunk = -(-chunk // alignment) * alignment
-        return {
-            "spec_name": "KVConformCPUOffloadingSpec",
-            "spec_module_path": offloading_spec.__name__,
-            "kvconform_session": self.session_id,
-            "cpu_bytes_to_use": aligned_chunk * config.num_offload_blocks,
-            "block_size": config.block_size * config.block_size_factor,
-            "eviction_policy": config.eviction_policy,
-            # OFF-STORE-1 offers every full computed block, decoded ones included; vLLM's default is prompt only.
-            "offload_prompt_only": False,
-        }
 
     def flushes_on_hit(self) -> bool:
         """Return whether a pending store is flushed when its blocks become a hit (LIFE-FREE-2): from 0.23 on,
@@ -114,11 +90,6 @@ class VllmOffloadingAdapter(VllmAdapter):
         super().start(config)
 
     # --- hooks the spec calls ----------------------------------------------------------------------
-
-    def spec_built(self, spec: Any) -> None:
-        num_blocks = getattr(spec, "num_blocks", None) or getattr(spec, "num_chunks")
-        if num_blocks != self.config.num_offload_blocks:
-            raise RuntimeError(f"vLLM sized the CPU store at {num_blocks} blocks, not {self.config.num_offload_blocks}")
 
     def manager_built(self, manager: Any) -> None:
         if manager is self.manager:
@@ -244,11 +215,6 @@ class VllmOffloadingAdapter(VllmAdapter):
                                                      f"keeps each request's transfer_jobs)")
         return result
 
-    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
-        if (fail_loads or fail_stores) and not self.reports_failures():
-            raise ValueError("this vLLM's OffloadingConnector cannot report failed transfers (capabilities say so)")
-        self.transfers.complete(fail_loads, fail_stores)
-
     def store_contents(self) -> StoreSnapshot:
         from vllm.v1.kv_offload.base import ReqContext
 
@@ -265,6 +231,78 @@ class VllmOffloadingAdapter(VllmAdapter):
 
     def jobs_in_flight(self) -> int:
         return len(self.scheduler.connector.connector_scheduler._jobs)
+
+
+class OffloadingSeam(TransferSeam):
+    """The CPU transfer seam of vLLM's OffloadingConnector: vLLM's own `CPUOffloadingSpec` and CPU offloading manager,
+    with kvconform's torch copies (`offloading_spec.KVConformCPUOffloadingSpec`) in place of its CUDA copy kernels.
+
+    `vllm-offloading` observes the manager through it; `vllm-connector` gives it to the OffloadingConnector named by
+    its factory name, observing nothing: the vendor passes no code. Transfers finish when the harness completes them.
+    """
+
+    def __init__(self, adapter: VllmAdapter, on_manager: Callable[[Any], None] | None = None) -> None:
+        self.adapter = adapter
+        self.on_manager = on_manager
+
+    @property
+    def transfers(self) -> HeldTransfers:
+        return self.adapter.transfers
+
+    def capabilities(self) -> dict[str, Any]:
+        """Return the capability fields the seam decides: vLLM's two policies, chunks of 1 – 3 GPU blocks, and failed
+        transfers where the release can report them."""
+        return dict(eviction_policies=("lru", "arc"), block_size_factors=(1, 2, 3), transfer_failures=reports_failures())
+
+    def store_slots(self, config: EngineConfig) -> int:
+        return config.num_offload_blocks
+
+    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
+        """Return the connector's extra config: the kvconform spec, bound to this seam, and a CPU store of exactly
+        `config.num_offload_blocks` offloaded blocks."""
+        from kvconform.adapters.vllm import offloading_spec
+
+        session_id = f"kvconform-{next(_SESSION_IDS)}"
+        offloading_spec.SESSIONS[session_id] = self
+        alignment = offloading_spec.CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+        chunk = config.block_size * config.token_width * self.transfers.engine.gpu.element_size() * config.block_size_factor
+        aligned_chunk = -(-chunk // alignment) * alignment
+        return {
+            "spec_name": "KVConformCPUOffloadingSpec",
+            "spec_module_path": offloading_spec.__name__,
+            "kvconform_session": session_id,
+            "cpu_bytes_to_use": aligned_chunk * config.num_offload_blocks,
+            "block_size": config.block_size * config.block_size_factor,
+            "eviction_policy": config.eviction_policy,
+            # OFF-STORE-1 offers every full computed block, decoded ones included; vLLM's default is prompt only.
+            "offload_prompt_only": False,
+        }
+
+    def spec_built(self, spec: Any) -> None:
+        num_blocks = getattr(spec, "num_blocks", None) or getattr(spec, "num_chunks")
+        if num_blocks != self.adapter.config.num_offload_blocks:
+            raise RuntimeError(f"vLLM sized the CPU store at {num_blocks} blocks, not {self.adapter.config.num_offload_blocks}")
+
+    def manager_built(self, manager: Any) -> None:
+        if self.on_manager is not None:
+            self.on_manager(manager)
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        if (fail_loads or fail_stores) and not reports_failures():
+            raise ValueError("this vLLM's OffloadingConnector cannot report failed transfers (capabilities say so)")
+        self.transfers.complete(fail_loads, fail_stores)
+
+
+_SESSION_IDS = itertools.count()
+
+
+def reports_failures() -> bool:
+    """Return whether the worker side can report a failed transfer: up to 0.24 it asserts every transfer
+    succeeded ("we currently do not support job failures", offloading/worker.py get_finished); 0.32+ marks
+    failed jobs completed with success=False."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    return "success" in inspect.signature(OffloadingWorkerMetadata.mark_completed).parameters
 
 
 class _StepRecord:

@@ -21,7 +21,7 @@ from kvconform.adapters.vllm.transfers import Copy, HeldTransfers, store_rows
 
 
 class Session(Protocol):
-    """What the adapter that built the engine offers the spec."""
+    """What the adapter that built the engine offers the spec: its seam (`offloading.OffloadingSeam`)."""
 
     transfers: HeldTransfers
 
@@ -31,7 +31,7 @@ class Session(Protocol):
 
 
 SESSIONS: dict[str, Session] = {}
-"""Adapters by the `kvconform_session` key of the extra config they built the engine with."""
+"""Seams by the `kvconform_session` key of the extra config they built the engine with."""
 
 
 class KVConformCPUOffloadingSpec(CPUOffloadingSpec):

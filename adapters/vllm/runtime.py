@@ -152,6 +152,21 @@ def load() -> Runtime:
     return Runtime(version, modules, model_config)
 
 
+def single_worker_group() -> None:
+    """Initialise vLLM's distributed state as a one-GPU worker has it — world size 1, gloo, tensor and pipeline
+    parallel size 1 — once per process; the rendezvous is a private file, so parallel test processes never meet.
+    Connectors that ask for their tensor-parallel group (LMCache's `get_tp_group`) find it. Call it inside
+    `set_current_vllm_config(vllm_config)`."""
+    parallel_state = importlib.import_module("vllm.distributed.parallel_state")
+    if parallel_state.model_parallel_is_initialized():
+        return
+    rendezvous = Path(tempfile.mkdtemp(prefix="kvconform-dist-")) / "rendezvous"
+    atexit.register(shutil.rmtree, rendezvous.parent, ignore_errors=True)
+    parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                distributed_init_method=f"file://{rendezvous}")
+    parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
 def dataclass_kwargs(cls: type, **values: Any) -> Any:
     """Build dataclass `cls` from the `values` it has fields for (fields come and go across releases)."""
     names = {f.name for f in dataclasses.fields(cls)}

@@ -26,7 +26,7 @@ from kvconform.adapters.contract import (
     StoreJob,
     StoreSnapshot,
 )
-from kvconform.adapters.vllm.engine import VllmAdapter, wrap
+from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, wrap
 from kvconform.adapters.vllm.transfers import Copy, HeldTransfers
 
 LOAD, STORE = 0, 1
@@ -98,35 +98,57 @@ class HeldSimpleWorker:
         return SimpleCPUOffloadWorkerMetadata(completed_store_events=completed)
 
 
+class SimpleCPUSeam(TransferSeam):
+    """The CPU transfer seam of vLLM's SimpleCPUOffloadConnector: its real scheduler side, with `HeldSimpleWorker` in
+    place of its CUDA worker handler. `vllm-simple-cpu` observes the connector around it; `vllm-connector` gives it to
+    the SimpleCPUOffloadConnector named by its factory name, observing nothing. Transfers finish when the harness
+    completes them."""
+
+    def __init__(self, adapter: VllmAdapter) -> None:
+        self.adapter = adapter
+
+    def capabilities(self) -> dict[str, Any]:
+        """Return the capability fields the seam decides: one CPU block per GPU block (no block_size_factor), one LRU
+        free queue (no policy choice), and no way to report a failed transfer (the worker metadata only carries
+        completed store events)."""
+        return dict(eviction_policies=("lru",), block_size_factors=(1,), transfer_failures=False)
+
+    def store_slots(self, config: EngineConfig) -> int:
+        return config.num_offload_blocks + 1  # the CPU BlockPool keeps block 0 as its null block
+
+    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
+        page = config.block_size * config.token_width * self.adapter.transfer.gpu.element_size()
+        return {"cpu_bytes_to_use": page * self.store_slots(config), "lazy_offload": False}
+
+    def worker_built(self, worker: Any) -> None:
+        worker.worker_handler = HeldSimpleWorker(self.adapter.transfers, self.store_slots(self.adapter.config))
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        if fail_loads or fail_stores:
+            raise ValueError("the SimpleCPUOffloadConnector cannot report failed transfers (capabilities say so)")
+        self.adapter.transfers.complete()
+
+
 class VllmSimpleCPUAdapter(VllmAdapter):
     """Drives vLLM's scheduler with the SimpleCPUOffloadConnector (eager stores)."""
 
     name = "vllm-simple-cpu"
     connector_name = "SimpleCPUOffloadConnector"
 
-    def capabilities(self) -> Capabilities:
-        # One CPU block per GPU block (no block_size_factor), one LRU free queue (no policy choice), and no way
-        # to report a failed transfer: the worker metadata only carries completed store events.
-        # Connector reset: 0.23's reset_cache raises NotImplementedError; 0.24 adds SimpleCPUOffloadScheduler.reset.
-        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+    def __init__(self) -> None:
+        super().__init__()
+        self.seam = SimpleCPUSeam(self)
 
+    def capabilities(self) -> Capabilities:
+        # Connector reset: 0.23's reset_cache raises NotImplementedError; 0.24 adds SimpleCPUOffloadScheduler.reset.
         # Offers at finish (OFF-STORE-6): 0.34 queues a finished request's confirmed blocks not stored yet
         # (_queue_finished_eager_store) and stores them with the next step's store event.
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
         shared = {**self.base_capabilities(), "reset_connector": hasattr(SimpleCPUOffloadScheduler, "reset")}
-        return Capabilities(async_scheduling=True, eviction_policies=("lru",), block_size_factors=(1,),
-                            transfer_failures=False,
+        return Capabilities(async_scheduling=True, **self.seam.capabilities(),
                             offer_at_finish=(hasattr(SimpleCPUOffloadScheduler, "_queue_finished_eager_store"),),
                             **shared)
-
-    def store_slots(self, config: EngineConfig) -> int:
-        return config.num_offload_blocks + 1  # the CPU BlockPool keeps block 0 as its null block
-
-    def extra_config(self, config: EngineConfig) -> dict[str, Any]:
-        page = config.block_size * config.token_width * self.transfer.gpu.element_size()
-        return {"cpu_bytes_to_use": page * self.store_slots(config), "lazy_offload": False}
-
-    def worker_built(self, worker: Any) -> None:
-        worker.worker_handler = HeldSimpleWorker(self.transfers, self.store_slots(self.config))
 
     def attach(self) -> None:
         self.manager = self.scheduler.connector.scheduler_manager
@@ -250,11 +272,6 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         observation.update(lookups={r: tuple(i) for r, i in record["lookups"].items()}, loads=tuple(record["loads"]),
                            store_offers=tuple(record["offers"]), stores=tuple(record["stores"]),
                            evicted=tuple(record["evicted"]))
-
-    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
-        if fail_loads or fail_stores:
-            raise ValueError("the SimpleCPUOffloadConnector cannot report failed transfers (capabilities say so)")
-        self.transfers.complete()
 
     def store_contents(self) -> StoreSnapshot:
         cached = {self.plain_hash(key) for key in self.cpu_pool.cached_block_hash_to_block._cache}
