@@ -139,10 +139,6 @@ def test_missing_vllm_is_one_line_exit_2(monkeypatch: pytest.MonkeyPatch, adapte
 
 
 SCENARIO_DEVIATIONS = {
-    "0.23.0": {
-        **{("vllm-offloading", name): "OFF-READ-1" for name in vectors.bundled() if name.startswith("seed-")},
-        **{("vllm-offloading", f"skip-read-black-box-{mode}"): "KVC-SKIP-1" for mode in ("sync", "async")},
-    },
     "0.24.0": {
         # the seed bug, unfixed in this connector: get_num_new_matched_tokens (v1/simple_kv_offload/manager.py)
         # never reads skip_reading_prefix_cache, so a skip-read request is answered its CPU hit
@@ -164,26 +160,46 @@ SCENARIO_DEVIATIONS = {
 """The scenarios a vLLM adapter fails on a release, with the clause it fails, each read in vLLM's source."""
 
 
-@pytest.mark.vllm
-@needs_vllm
-@pytest.mark.skipif(VERSION not in SCENARIO_DEVIATIONS, reason=f"scenario verdicts are recorded for vLLM "
-                                                               f"{', '.join(SCENARIO_DEVIATIONS)}, not {VERSION}")
-@pytest.mark.parametrize("name", vectors.bundled())
-@pytest.mark.parametrize("adapter_name", ["vllm-offloading", "vllm-simple-cpu"])
-def test_bundled_scenario_on_vllm(adapter_name: str, name: str) -> None:
-    """Every bundled scenario on the installed release: met, refused for a capability the adapter lacks, or failed
-    with the clause its recorded deviation names."""
-    adapter = adapter_class(adapter_name.removeprefix("vllm-"))()
-    deviation_clause = SCENARIO_DEVIATIONS[VERSION].get((adapter_name, name))
+needs_scenario_verdicts = pytest.mark.skipif(VERSION not in SCENARIO_DEVIATIONS,
+                                             reason=f"scenario verdicts are recorded for vLLM "
+                                                    f"{', '.join(SCENARIO_DEVIATIONS)}, not {VERSION}")
+
+
+def check_scenario_verdict(adapter: Any, name: str, deviation_clause: str | None) -> None:
+    """Replay a bundled scenario: met, refused for what the adapter lacks (a skip), or failed with `deviation_clause`."""
     try:
         vectors.replay(vectors.load(name), adapter)
     except vectors.Unsupported as refused:
-        assert deviation_clause is None, f"{name} was refused, not failed with {deviation_clause}: {refused}"
         pytest.skip(str(refused))
     except ClauseViolation as violation:
         assert violation.clause == deviation_clause, violation
     else:
-        assert deviation_clause is None, f"{name} passes on {adapter_name}: its recorded deviation is stale"
+        assert deviation_clause is None, f"{name} passes: its recorded deviation {deviation_clause} is stale"
+
+
+@pytest.mark.vllm
+@needs_vllm
+@needs_scenario_verdicts
+@pytest.mark.parametrize("name", vectors.bundled())
+@pytest.mark.parametrize("adapter_name", ["vllm-offloading", "vllm-simple-cpu"])
+def test_bundled_scenario_on_vllm(adapter_name: str, name: str) -> None:
+    """Every bundled scenario on the installed release, as its recorded deviations say."""
+    adapter = adapter_class(adapter_name.removeprefix("vllm-"))()
+    check_scenario_verdict(adapter, name, SCENARIO_DEVIATIONS[VERSION].get((adapter_name, name)))
+
+
+@pytest.mark.vllm
+@needs_vllm
+@needs_scenario_verdicts
+@pytest.mark.parametrize("name", vectors.bundled())
+@pytest.mark.parametrize("connector, white_box", [("OffloadingConnector", "vllm-offloading"),
+                                                  ("SimpleCPUOffloadConnector", "vllm-simple-cpu")])
+def test_bundled_scenario_on_vllm_connector(connector_environment: None, connector: str, white_box: str,
+                                            name: str) -> None:
+    """`vllm-connector`, the black box, agrees with the white-box adapter of the same connector on every scenario it
+    can run (the connector-level ones): the same verdict, the same deviations."""
+    adapter = connector_adapter(connector)()
+    check_scenario_verdict(adapter, name, SCENARIO_DEVIATIONS[VERSION].get((white_box, name)))
 
 
 @pytest.mark.vllm
