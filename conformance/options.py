@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
-from kvconform.adapters.contract import Capabilities, KVConnectorAdapter
-from kvconform.adapters.registry import AdapterNotFound, resolve
 from hypothesis.database import ExampleDatabase
 
+from kvconform.adapters.contract import Capabilities, KVConnectorAdapter
+from kvconform.adapters.registry import AdapterNotFound, resolve
 from kvconform.conformance import baseline, examples, report, runner
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation

@@ -88,7 +88,7 @@ def run(
     session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example)
     machine = machine_for(session)
     seed = shard.seed(seed)
-    if seed is not None:
+    if seed is not None:  # @seed also sets database=None on the class's own settings, which the settings below replace
         use_seed(seed)(machine)
     settings = profile_settings(profile, seed is not None, database, shard.examples(PROFILES[profile].max_examples))
     started = time.perf_counter()
