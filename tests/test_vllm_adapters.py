@@ -53,8 +53,10 @@ def known_failures(name: str, version: str | None = VERSION) -> baseline.Baselin
 
 DEVIATIONS = sorted(p.name for p in resources.files("kvconform.adapters.vllm").joinpath("deviations").iterdir()
                     if p.name.endswith(".json"))
-"""Programs that show a rare known failure: `ADAPTER-VERSION-CLAUSE.json`, failing CLAUSE on that release."""
-DEVIATION_NAME = re.compile(r"^(?P<adapter>vllm-[a-z-]+?)-(?P<version>\d+\.\d+\.\d+)-(?P<clause>[A-Z-]+-\d+)\.json$")
+"""Programs that show a rare known failure: `ADAPTER-VERSION-CLAUSE.json`, failing CLAUSE on that release; for
+`vllm-connector`, `vllm-connector-CONNECTOR-VERSION-CLAUSE.json`."""
+DEVIATION_NAME = re.compile(r"^(?P<adapter>vllm-[a-z-]+?)(?:-(?P<connector>[A-Z][A-Za-z0-9]*))?"
+                            r"-(?P<version>\d+\.\d+\.\d+)-(?P<clause>[A-Z-]+-\d+)\.json$")
 
 
 def deviation(name: str) -> tuple[re.Match, list[Call]]:
@@ -120,7 +122,7 @@ def test_recorded_deviation_is_a_listed_known_failure_the_reference_passes(name:
     """CONF-RUN-2: a program recorded for a rare known failure passes on the reference, and its clause is listed,
     marked rare, in the known failures of its adapter and release."""
     parts, program = deviation(name)
-    known = known_failures(parts["adapter"], parts["version"])
+    known = known_failures(baseline_name(parts), parts["version"])
     assert parts["clause"] in known.rare, f"{parts['clause']} is not listed [rare] for {parts['adapter']}"
     assert replay(Session(ReferenceAdapter), program).violation is None
 
@@ -223,16 +225,23 @@ def test_simple_cpu_skip_read_request(async_scheduling: bool) -> None:
     adapter.close()
 
 
+def baseline_name(parts: re.Match) -> str:
+    """Return the known-failures name of a deviation's adapter: `vllm-connector-CONNECTOR` for the black box."""
+    return "-".join(filter(None, (parts["adapter"], parts["connector"])))
+
+
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("name", DEVIATIONS)
-def test_recorded_deviation_fails_on_its_release(name: str) -> None:
+def test_recorded_deviation_fails_on_its_release(connector_environment: None, name: str) -> None:
     """A program recorded for a rare known failure fails exactly its clause on the release it was recorded for."""
     parts, program = deviation(name)
     if parts["version"] != VERSION:
         pytest.skip(f"{name} is for vLLM {parts['version']}; {VERSION} is installed: "
                     f"kvconform install-vllm {parts['version']}")
-    violation = replay(Session(adapter_class(parts["adapter"].removeprefix("vllm-"))), program).violation
+    adapter = (connector_adapter(parts["connector"]) if parts["connector"]
+               else adapter_class(parts["adapter"].removeprefix("vllm-")))
+    violation = replay(Session(adapter), program).violation
     assert violation is not None and violation.clause == parts["clause"], violation
 
 
