@@ -133,7 +133,8 @@ class StepObservation(_Frozen):
     loads_finished: tuple[str, ...] = Field((), description="requests whose asynchronous load the connector reported "
                                                             "finished in this step (get_finished's receiving ids)")
     loads_failed: tuple[str, ...] = Field((), description="requests the connector reported load errors for in this "
-                                                          "step (get_block_ids_with_load_errors)")
+                                                          "step (get_block_ids_with_load_errors, or the "
+                                                          "transfer results' failed_recving)")
     free_delayed: tuple[str, ...] = Field((), description="requests whose request_finished answered delay_free=True "
                                                           "in this step")
     saves_finished: tuple[str, ...] = Field((), description="requests whose delayed free the connector ended in this "
