@@ -40,6 +40,8 @@ class EngineConfig(_Frozen):
                                                       "blocks (SCHED-PREEMPT-1)")
     lookup_after_failed_load: bool = Field(True, description="look the store up again for a request one of whose "
                                                              "loads failed (LIFE-LOAD-4)")
+    local_hit_after_failed_load: bool = Field(True, description="a request whose load failed keeps its local hit; "
+                                                                "without it, it is admitted afresh (LIFE-LOAD-3)")
     restart_offers_on_lookup: bool = Field(False, description="each lookup of a request makes it offer its blocks "
                                                               "from the first one again (OFF-STORE-7)")
     deferred_first: bool = Field(False, description="consider a request whose lookup was deferred before the other "
@@ -133,7 +135,8 @@ class StepObservation(_Frozen):
     loads_finished: tuple[str, ...] = Field((), description="requests whose asynchronous load the connector reported "
                                                             "finished in this step (get_finished's receiving ids)")
     loads_failed: tuple[str, ...] = Field((), description="requests the connector reported load errors for in this "
-                                                          "step (get_block_ids_with_load_errors)")
+                                                          "step (get_block_ids_with_load_errors, or the "
+                                                          "transfer results' failed_recving)")
     free_delayed: tuple[str, ...] = Field((), description="requests whose request_finished answered delay_free=True "
                                                           "in this step")
     saves_finished: tuple[str, ...] = Field((), description="requests whose delayed free the connector ended in this "
@@ -162,7 +165,7 @@ OffloadingManager-style connectors (`offloading`); an adapter that reports the o
 is judged at both."""
 
 VARIANTS = ("offer_at_finish", "flush_on_hit", "preempt_in_flight", "lookup_after_failed_load",
-            "restart_offers_on_lookup", "deferred_first")
+            "local_hit_after_failed_load", "restart_offers_on_lookup", "deferred_first")
 """EngineConfig fields that name a behaviour releases of one implementation differ in: the capability of the same
 name lists the values an implementation has, and the reference follows the value the config carries."""
 
@@ -185,6 +188,8 @@ class Capabilities(_Frozen):
                                                                        "step in flight holds its blocks (SCHED-PREEMPT-1)")
     lookup_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed is "
                                                                               "looked up again (LIFE-LOAD-4)")
+    local_hit_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed "
+                                                                                 "keeps its local hit (LIFE-LOAD-3)")
     restart_offers_on_lookup: tuple[bool, ...] = Field((False,), description="whether each lookup of a request makes "
                                                                                "it offer its blocks from the first one "
                                                                                "again (OFF-STORE-7)")

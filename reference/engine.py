@@ -436,8 +436,9 @@ class Engine:
             request = self.requests[request_id]
             if not request.is_finished:
                 self.loads_done[request_id] = success
-                if not success:
-                    request.num_computed_tokens = request.num_local_hit_tokens  # LIFE-LOAD-3
+                if not success:  # LIFE-LOAD-3
+                    request.num_computed_tokens = (request.num_local_hit_tokens
+                                                   if self.config.local_hit_after_failed_load else 0)
 
     # --- observation helpers ------------------------------------------------------------
 

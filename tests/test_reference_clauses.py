@@ -62,10 +62,8 @@ def engine():
     return make
 
 
-@pytest.fixture
-def primed(engine) -> Engine:
-    """PROMPT's 3 blocks in the store; the GPU prefix cache reset and then holding PROMPT's block 0 only."""
-    e = engine()
+def prime(e: Engine) -> Engine:
+    """Put PROMPT's 3 blocks in the store; reset the GPU prefix cache, then let it hold PROMPT's block 0 only."""
     e.add_request(RequestSpec(request_id="r0", prompt=PROMPT))
     e.step()
     e.complete_transfers(False, False)
@@ -76,12 +74,21 @@ def primed(engine) -> Engine:
     return e
 
 
+def admit_with_load(e: Engine) -> Engine:
+    """`prime` the engine, then admit r1 (PROMPT) with a local hit of 4 tokens and an async load of 8."""
+    prime(e).add_request(RequestSpec(request_id="r1", prompt=PROMPT, max_tokens=2))
+    assert e.step().trace.loads == [("r1", [1, 2], 1, 2)]
+    return e
+
+
 @pytest.fixture
-def loading(primed) -> Engine:
-    """`primed` plus r1 (PROMPT) admitted with a local hit of 4 tokens and an async load of 8."""
-    primed.add_request(RequestSpec(request_id="r1", prompt=PROMPT, max_tokens=2))
-    assert primed.step().trace.loads == [("r1", [1, 2], 1, 2)]
-    return primed
+def primed(engine) -> Engine:
+    return prime(engine())
+
+
+@pytest.fixture
+def loading(engine) -> Engine:
+    return admit_with_load(engine())
 
 
 @pytest.fixture
@@ -964,6 +971,19 @@ def test_failed_load_falls_back_to_local_hit(loading):
     loading.complete_transfers(True, False)
     loading.step()
     assert loading.step().scheduled_tokens == {"r1": 8}
+
+
+@pytest.mark.parametrize("local_hit_after_failed_load", [True, False])
+def test_failed_load_falls_back_to_nothing_if_declared(engine, local_hit_after_failed_load):
+    """LIFE-LOAD-3: a request whose load failed keeps its local hit, unless the config says it falls back to nothing:
+    then its blocks are freed when the failure is processed and it is admitted afresh, finding the hit again (vLLM
+    0.34's OffloadingConnector; `--profile dev` seed 4 on 0.34 found the reference keeping the hit)."""
+    e = admit_with_load(engine(lookup_after_failed_load=False, local_hit_after_failed_load=local_hit_after_failed_load))
+    e.complete_transfers(True, False)
+    assert e.step().computed_tokens["r1"] == (4 if local_hit_after_failed_load else 0)
+    resumed = e.step()
+    assert resumed.scheduled_tokens == {"r1": 8}
+    assert resumed.trace.answers == ([] if local_hit_after_failed_load else [("r1", 4, 0, False)])
 
 
 def test_failed_load_without_hit_is_admitted_afresh(engine):

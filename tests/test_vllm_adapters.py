@@ -245,6 +245,17 @@ def test_recorded_deviation_fails_on_its_release(connector_environment: None, na
     assert violation is not None and violation.clause == parts["clause"], violation
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_failed_load_is_reported_however_the_release_names_it() -> None:
+    """KVC-FAIL-1: a failed load is recorded whether the connector names it by block (`invalid_block_ids`) or by
+    request (`failed_recving`, as 0.34's OffloadingConnector does; the adapter once read only the first)."""
+    adapter = adapter_class("offloading")()
+    if not adapter.capabilities().transfer_failures:
+        pytest.skip(f"the OffloadingConnector of vLLM {VERSION} cannot report a failed transfer")
+    vectors.replay(vectors.load("failed-load-recomputed"), adapter)
+
+
 def variants(adapter) -> dict[str, bool]:
     """Return the behaviour variants the adapter's release has (each vLLM release has one of each)."""
     capabilities = adapter.capabilities()

@@ -488,15 +488,17 @@ class VllmAdapter(KVConnectorAdapter):
             self.trace.free_delayed.append(request.request_id)
 
     def _record_connector_output(self, output: Any) -> None:
-        """Record what the worker-side connector reported: finished loads and saves, and the requests whose blocks
-        a load failed to fill (`invalid_block_ids`, named by the requests that hold them)."""
+        """Record what the worker-side connector reported: finished loads and saves, and the requests whose load
+        failed, named per block (`invalid_block_ids`, by the requests that hold them) or per request (`failed_recving`,
+        0.32+; the way 0.34's OffloadingConnector reports them)."""
         if output is None:
             return
         self.trace.loads_finished += sorted(getattr(output, "finished_recving", None) or ())
         self.trace.saves_finished += sorted(getattr(output, "finished_sending", None) or ())
         failed_blocks = set(getattr(output, "invalid_block_ids", None) or ())
-        self.trace.loads_failed += sorted(request_id for request_id, request in self.scheduler.requests.items()
-                                          if not request.is_finished() and failed_blocks & set(self.block_ids(request_id)))
+        self.trace.loads_failed += sorted(set(getattr(output, "failed_recving", None) or ()) | {
+            request_id for request_id, request in self.scheduler.requests.items()
+            if not request.is_finished() and failed_blocks & set(self.block_ids(request_id))})
 
     def _record_free(self, result: Any, request: Any) -> None:
         if request.is_finished():

@@ -42,6 +42,7 @@ class VllmOffloadingAdapter(VllmAdapter):
         return Capabilities(async_scheduling=True, **self.seam.capabilities(),
                             offer_at_finish=(self.offers_at_finish(),), flush_on_hit=(self.flushes_on_hit(),),
                             lookup_after_failed_load=(not self.skips_lookup_after_failed_load(),),
+                            local_hit_after_failed_load=(not self.reports_failed_loads_by_request(),),
                             restart_offers_on_lookup=(self.restarts_offers_on_lookup(),),
                             **self.base_capabilities())
 
@@ -68,6 +69,16 @@ class VllmOffloadingAdapter(VllmAdapter):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import RequestOffloadState
 
         return "load_failed" in RequestOffloadState.__dataclass_fields__
+
+    def reports_failed_loads_by_request(self) -> bool:
+        """Return whether the connector reports a failed load by request, not by block (LIFE-LOAD-3): 0.34's worker
+        side names it in `failed_recving` (`take_failed_recving`), which the scheduler fails closed:
+        `_handle_failed_recving` sets the request's computed tokens to 0 and `_update_waiting_for_remote_kv` frees
+        its blocks, local hit included, so it is admitted afresh; a failure named by block (`invalid_block_ids`,
+        `_update_requests_with_invalid_blocks`) keeps the tokens before the first failed block."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+        return hasattr(OffloadingConnectorWorker, "take_failed_recving")
 
     def restarts_offers_on_lookup(self) -> bool:
         """Return whether each lookup makes the request offer its blocks from the first again (OFF-STORE-7): 0.34's

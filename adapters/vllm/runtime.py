@@ -90,8 +90,8 @@ class Runtime:
 
 
 LOAD_FAILURES_RECOMPUTED = {"kv_load_failure_policy": "recompute"}
-"""A failed load falls back to the local hit and the rest is recomputed (LIFE-LOAD-3); vLLM's default, "fail",
-finishes the request with an error instead."""
+"""What a failed load did not bring is recomputed (LIFE-LOAD-3; the local hit kept or not, per the connector's way of
+reporting it, variant `local_hit_after_failed_load`); vLLM's default, "fail", finishes the request with an error."""
 
 _IMPORTS = {
     "config": "vllm.config",
