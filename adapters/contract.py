@@ -203,6 +203,18 @@ class Capabilities(_Frozen):
     kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
 
+    def lacks(self, config: EngineConfig) -> str | None:
+        """Return what `config` asks that these capabilities do not offer — a factor, policy, scheduling mode or
+        behaviour variant — or None if they offer all of it (CONF-CAP-1)."""
+        wanted = {"block_size_factors": config.block_size_factor, "eviction_policies": config.eviction_policy,
+                  **{variant: getattr(config, variant) for variant in VARIANTS}}
+        for capability, value in wanted.items():
+            if value not in getattr(self, capability):
+                return f"{capability} {getattr(self, capability)}, not {value!r}"
+        if config.async_scheduling and not self.async_scheduling:
+            return "sync scheduling only, not async"
+        return None
+
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
         if not all((self.eviction_policies, self.block_size_factors, *(getattr(self, v) for v in VARIANTS))):

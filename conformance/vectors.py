@@ -73,20 +73,6 @@ class Unsupported(Exception):
     """The adapter lacks what the scenario needs: its spec level, or an operation its capabilities rule out."""
 
 
-def _unsupported_config(config: EngineConfig, capabilities: Capabilities) -> str | None:
-    """Return why the adapter cannot start with the scenario's `config`, or None if it can."""
-    if config.block_size_factor not in capabilities.block_size_factors:
-        return f"block_size_factor {config.block_size_factor}, and the adapter supports {capabilities.block_size_factors}"
-    if config.eviction_policy not in capabilities.eviction_policies:
-        return f"the {config.eviction_policy} policy, and the adapter supports {capabilities.eviction_policies}"
-    if config.async_scheduling and not capabilities.async_scheduling:
-        return "async scheduling, and the adapter reports async_scheduling=False"
-    for name in VARIANTS:
-        if name in config.model_fields_set and getattr(config, name) not in getattr(capabilities, name):
-            return f"{name}={getattr(config, name)}, and the adapter has {getattr(capabilities, name)}"
-    return None
-
-
 def _unsupported_op(op: dict[str, Any], capabilities: Capabilities) -> str | None:
     """Return why the adapter cannot run `op`, or None if it can."""
     args = op.get("args", {})
@@ -135,12 +121,14 @@ def replay(vector: Vector, adapter: KVConnectorAdapter) -> None:
     capabilities = adapter.capabilities()
     if vector.level not in capabilities.levels:
         raise Unsupported(f"{vector.name} needs the {vector.level} level; the adapter reports {capabilities.levels}")
-    for reason in (_unsupported_config(vector.config, capabilities),
-                   *(_unsupported_op(op, capabilities) for op in vector.ops)):
-        if reason is not None:
-            raise Unsupported(f"{vector.name} needs {reason}")
     unset = [name for name in VARIANTS if name not in vector.config.model_fields_set]  # expectations hold for each
-    adapter.start(vector.config.model_copy(update={name: getattr(capabilities, name)[0] for name in unset}))
+    config = vector.config.model_copy(update={name: getattr(capabilities, name)[0] for name in unset})
+    if (lacking := capabilities.lacks(config)) is not None:
+        raise Unsupported(f"{vector.name} needs what the adapter lacks: it supports {lacking}")
+    for op in vector.ops:
+        if (reason := _unsupported_op(op, capabilities)) is not None:
+            raise Unsupported(f"{vector.name} needs {reason}")
+    adapter.start(config)
     requests: dict[str, RequestSpec] = {}
     try:
         for number, op in enumerate(vector.ops):

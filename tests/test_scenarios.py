@@ -154,7 +154,7 @@ def test_a_scenario_using_an_operation_the_adapter_rules_out_is_refused():
                 .preempt("r"),
                 "complete_in_step=False": Scenario(CONFIG.model_copy(update={"block_size_factor": 1})).add("r", BLOCK)
                 .step(complete_transfers=True),
-                "supports (1,)": Scenario(CONFIG).add("r", BLOCK).step()}
+                "supports block_size_factors (1,), not 3": Scenario(CONFIG).add("r", BLOCK).step()}
     for reason, scenario in refusals.items():
         with pytest.raises(vectors.Unsupported, match=re.escape(reason)):
             scenario.run(Limited())

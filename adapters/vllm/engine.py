@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from kvconform.adapters.contract import (
-    VARIANTS,
     EngineConfig,
     ImplementationFailure,
     KVConnectorAdapter,
@@ -273,13 +272,9 @@ class VllmAdapter(KVConnectorAdapter):
 
     def check_supported(self, config: EngineConfig) -> None:
         """Refuse a configuration outside the capabilities: a factor, policy or behaviour variant it lacks."""
-        declared = self.capabilities()
-        wanted = {"block_size_factors": config.block_size_factor, "eviction_policies": config.eviction_policy,
-                  **{variant: getattr(config, variant) for variant in VARIANTS}}
-        for capability, value in wanted.items():
-            if value not in getattr(declared, capability):
-                raise ValueError(f"{self.name} on vLLM {self.rt.version} supports {capability} "
-                                 f"{getattr(declared, capability)}, not {value!r}")
+        lacking = self.capabilities().lacks(config)
+        if lacking is not None:
+            raise ValueError(f"{self.name} on vLLM {self.rt.version} supports {lacking}")
 
     def start(self, config: EngineConfig) -> None:
         self.check_supported(config)
