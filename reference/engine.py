@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvconform.adapters.contract import EngineConfig, RequestSpec, TransferOutcome
+from kvconform.adapters.contract import EngineConfig, RequestSpec
 from kvconform.reference import kv_content
 from kvconform.reference.connector import (
     ConnectorOutput,
@@ -184,11 +184,12 @@ class Engine:
 
     # --- the step -----------------------------------------------------------------------
 
-    def step(self, complete_transfers: TransferOutcome | None = None) -> StepResult:
+    def step(self, complete_in_step: tuple[bool, bool] | None = None) -> StepResult:
         """Run one engine step (SCHED-STEP-1); an engine without work only processes the batch in flight.
 
-        With `complete_transfers`, the jobs in flight finish after the step's stores are submitted, before the
-        worker reports its finished jobs: they are reported in this step (CONN-STEP-4)."""
+        With `complete_in_step` (whether loads fail, whether stores fail), the jobs in flight finish after the step's
+        stores are submitted, before the worker reports its finished jobs: they are reported in this step
+        (CONN-STEP-4)."""
         scheduled: dict[str, int] = {}
         writes: set[int] = set()
         reads_in_flight: set[int] = set()
@@ -204,8 +205,8 @@ class Engine:
             reads_in_flight = self.worker.store_sources_in_flight()
             sampled, writes = self._forward(output, start_positions)
             self.worker.wait_for_save(meta)
-            if complete_transfers is not None:
-                self.worker.complete_transfers(complete_transfers.fail_loads, complete_transfers.fail_stores)
+            if complete_in_step is not None:
+                self.worker.complete_transfers(*complete_in_step)
             scheduled = dict(output.num_scheduled_tokens)
             self._run(Batch(output, sampled, self.worker.get_finished()))
         elif self.in_flight is not None:
