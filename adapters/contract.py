@@ -1,228 +1,24 @@
-"""The adapter contract: what the harness drives and what it observes (spec chapter `adapter-contract`).
+"""The adapter contract: the interface the harness drives (spec chapter `adapter-contract`).
 
-An adapter wraps one implementation of a KV-cache manager plus offload connector. Every value that
-crosses this boundary is a pydantic model, validated before it is compared (CONF-OBS-1). Blocks are
-named by `BlockRef` — (request, offloaded block index) — never by implementation-specific hashes or
-GPU block ids, so two implementations can be compared.
+An adapter wraps one implementation of a KV-cache manager plus offload connector. The values it takes and
+returns are those of `kvconform.common.values`.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
-
-class _Frozen(BaseModel):
-    # revalidate_instances: an adapter may hand back a model built with `model_construct`, unvalidated (CONF-OBS-1)
-    model_config = ConfigDict(frozen=True, extra="forbid", revalidate_instances="always")
-
-
-class EngineConfig(_Frozen):
-    """The engine an adapter must build: pool sizes, block geometry, policy and scheduling mode."""
-
-    block_size: int = Field(4, ge=1, description="tokens per GPU block")
-    num_gpu_blocks: int = Field(64, ge=2, description="GPU blocks, the null block 0 included")
-    block_size_factor: int = Field(3, ge=1, description="GPU blocks per offloaded block")
-    num_offload_blocks: int = Field(8, ge=1, description="offloaded blocks the store holds")
-    eviction_policy: Literal["lru", "arc"] = "lru"
-    async_scheduling: bool = False
-    max_num_batched_tokens: int = Field(256, ge=1, description="token budget of one step")
-    token_width: int = Field(8, ge=1, description="KV elements per token (layers x 2 x heads x head_dim)")
-    kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    offer_at_finish: bool = Field(False, description="the step after a request finishes, offer its computed "
-                                                     "blocks not stored yet (OFF-STORE-6)")
-    flush_on_hit: bool = Field(False, description="also flush a store whose blocks become another request's "
-                                                  "local hit (LIFE-FREE-2)")
-    preempt_in_flight: bool = Field(True, description="preempt a request even while the step in flight holds its "
-                                                      "blocks (SCHED-PREEMPT-1)")
-    lookup_after_failed_load: bool = Field(True, description="look the store up again for a request one of whose "
-                                                             "loads failed (LIFE-LOAD-4)")
-    local_hit_after_failed_load: bool = Field(True, description="a request whose load failed keeps its local hit; "
-                                                                "without it, it is admitted afresh (LIFE-LOAD-3)")
-    restart_offers_on_lookup: bool = Field(False, description="each lookup of a request makes it offer its blocks "
-                                                              "from the first one again (OFF-STORE-7)")
-    deferred_first: bool = Field(False, description="consider a request whose lookup was deferred before the other "
-                                                    "waiting requests, after those holding blocks (SCHED-ORDER-1)")
-
-    def __repr__(self) -> str:
-        return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in self.model_dump().items())})"
-
-
-class RequestSpec(_Frozen):
-    """A request as the harness submits it."""
-
-    request_id: str
-    prompt: tuple[int, ...] = Field(min_length=1)
-    max_tokens: int = Field(1, ge=1)
-    skip_reading_prefix_cache: bool = False
-    cache_salt: str | None = None
-    lora_name: str | None = None
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.model_dump().items() if v != RequestSpec.model_fields[k].default)
-        return f"RequestSpec({fields})"
-
-
-class BlockRef(_Frozen):
-    """Offloaded block `index` of request `request_id`: tokens `[index*B, (index+1)*B)` with B = offloaded block size."""
-
-    request_id: str
-    index: int = Field(ge=0)
-
-
-class MatchAnswer(_Frozen):
-    """One `get_num_new_matched_tokens` call: the local hit it was given and what it answered (CONN-MATCH-*)."""
-
-    request_id: str
-    local_hit_tokens: int = Field(ge=0)
-    external_tokens: int | None = Field(description="the connector's count as it answered it; a negative one is a "
-                                                    "fault the connector level judges (KVC-MATCH-1)")
-    load_async: bool
-
-
-class LoadJob(_Frozen):
-    """A load: offloaded blocks into the request's GPU blocks `first_gpu_block .. +num_gpu_blocks` (logical)."""
-
-    request_id: str
-    offload_indices: tuple[NonNegativeInt, ...]
-    first_gpu_block: int = Field(ge=0)
-    num_gpu_blocks: int = Field(ge=1)
-
-
-class StoreJob(_Frozen):
-    """Offloaded blocks of one request, offered to the store or written by it."""
-
-    request_id: str
-    offload_indices: tuple[NonNegativeInt, ...]
-    evicted: tuple[BlockRef, ...] = Field((), description="for an offer: the blocks its prepare_store call evicted")
-
-
-class TransferOutcome(_Frozen):
-    """How the transfers in flight finish when they are completed: loads and/or stores may fail (CONN-STEP-4)."""
-
-    fail_loads: bool = False
-    fail_stores: bool = False
-
-
-class StepObservation(_Frozen):
-    """Everything one engine step did that the spec constrains."""
-
-    scheduled_tokens: dict[str, NonNegativeInt] = Field(description="tokens scheduled for each request in this step (SCHED-STEP-2)")
-    computed_tokens: dict[str, NonNegativeInt] = Field(description="num_computed_tokens of every unfinished request after the step")
-    match_answers: tuple[MatchAnswer, ...] = Field((), description="every get_num_new_matched_tokens call of the step, in order")
-    lookups: dict[str, tuple[NonNegativeInt, ...]] = Field(default_factory=dict, description="offloaded block indices looked up, in order")
-    loads: tuple[LoadJob, ...] = Field((), description="load jobs created in this step (CONN-ALLOC-1)")
-    store_offers: tuple[StoreJob, ...] = Field((), description="blocks offered to prepare_store, per request (OFF-STORE-1)")
-    stores: tuple[StoreJob, ...] = Field((), description="blocks prepare_store chose to write: the store jobs (OFF-STORE-3)")
-    evicted: tuple[BlockRef, ...] = Field((), description="blocks the store evicted in this step (OFF-LRU-1, OFF-ARC-1)")
-    finished: tuple[str, ...] = Field((), description="requests that finished in this step (LIFE-FIN-1)")
-    freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
-    forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")
-    store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
-    # The offloading level: the manager calls of the step, as vLLM's OffloadingManager receives them.
-    completed_loads: tuple[LoadJob, ...] = Field((), description="load jobs whose completion was processed in this "
-                                                               "step (complete_load, OFF-MGR-3)")
-    completed_stores: tuple[StoreJob, ...] = Field((), description="store jobs whose completion was processed in "
-                                                                 "this step, successful or not (complete_store)")
-    flushed_stores: tuple[StoreJob, ...] = Field((), description="store jobs flushed (waited for) in this step "
-                                                               "(LIFE-FREE-2, OFF-MGR-8)")
-    touches: tuple[BlockRef, ...] = Field((), description="blocks touched in the store in this step, in order, "
-                                                          "named by the touching request (OFF-LRU-1)")
-    # The connector level (chapter `connector-level`): what crosses vLLM's public connector API, per request.
-    loads_finished: tuple[str, ...] = Field((), description="requests whose asynchronous load the connector reported "
-                                                            "finished in this step (get_finished's receiving ids)")
-    loads_failed: tuple[str, ...] = Field((), description="requests the connector reported load errors for in this "
-                                                          "step (get_block_ids_with_load_errors, or the "
-                                                          "transfer results' failed_recving)")
-    free_delayed: tuple[str, ...] = Field((), description="requests whose request_finished answered delay_free=True "
-                                                          "in this step")
-    saves_finished: tuple[str, ...] = Field((), description="requests whose delayed free the connector ended in this "
-                                                            "step (get_finished's sending ids)")
-
-
-class StoreSnapshot(_Frozen):
-    """The offload store's contents: readable blocks and blocks still being stored."""
-
-    ready: frozenset[BlockRef]
-    storing: frozenset[BlockRef]
-
-
-class ResourceUsage(_Frozen):
-    """Counters that must return to zero when the engine is idle (LIFE-LEAK-1)."""
-
-    used_gpu_blocks: int = Field(ge=0, description="GPU blocks referenced by any request (null block excluded)")
-    pinned_offload_blocks: int = Field(ge=0)
-    jobs_in_flight: int = Field(ge=0)
-    unfinished_requests: int = Field(ge=0)
-
-
-SpecLevel = Literal["connector", "offloading"]
-"""The two levels of the spec: what every KVConnectorBase_V1 must do (`connector`), and the deeper rules of
-OffloadingManager-style connectors (`offloading`); an adapter that reports the offloading level's observations
-is judged at both."""
-
-VARIANTS = ("offer_at_finish", "flush_on_hit", "preempt_in_flight", "lookup_after_failed_load",
-            "local_hit_after_failed_load", "restart_offers_on_lookup", "deferred_first")
-"""EngineConfig fields that name a behaviour releases of one implementation differ in: the capability of the same
-name lists the values an implementation has, and the reference follows the value the config carries."""
-
-
-class Capabilities(_Frozen):
-    """What an implementation claims to support; the harness draws only from this (CONF-CAP-1)."""
-
-    async_scheduling: bool = Field(True, description="runs with async scheduling as well as sync")
-    eviction_policies: tuple[Literal["lru", "arc"], ...] = Field(("lru", "arc"), description="store eviction policies it implements")
-    block_size_factors: tuple[int, ...] = Field((1, 2, 3), description="GPU blocks per offloaded block it supports")
-    preemption: bool = Field(True, description="preempt() of a running request is supported")
-    abort: bool = Field(True, description="abort() of an unfinished request is supported")
-    transfer_failures: bool = Field(True, description="complete_transfers() can fail loads and stores")
-    reset_connector: bool = Field(True, description="reset_prefix_cache(reset_connector=True) also empties the store")
-    offer_at_finish: tuple[bool, ...] = Field((False,), description="whether the connector offers a finished "
-                                                                      "request's blocks at the next step (OFF-STORE-6)")
-    flush_on_hit: tuple[bool, ...] = Field((False,), description="whether a store is also flushed when its blocks "
-                                                                   "become a local hit (LIFE-FREE-2)")
-    preempt_in_flight: tuple[bool, ...] = Field((True,), description="whether a request is preempted even while the "
-                                                                       "step in flight holds its blocks (SCHED-PREEMPT-1)")
-    lookup_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed is "
-                                                                              "looked up again (LIFE-LOAD-4)")
-    local_hit_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed "
-                                                                                 "keeps its local hit (LIFE-LOAD-3)")
-    restart_offers_on_lookup: tuple[bool, ...] = Field((False,), description="whether each lookup of a request makes "
-                                                                               "it offer its blocks from the first one "
-                                                                               "again (OFF-STORE-7)")
-    deferred_first: tuple[bool, ...] = Field((False,), description="whether a request whose lookup was deferred is "
-                                                                     "considered before the other waiting requests "
-                                                                     "(SCHED-ORDER-1)")
-    complete_in_step: bool = Field(False, description="step(complete_transfers=…) finishes the transfers in flight "
-                                                      "inside the step, where the worker polls its jobs")
-    levels: tuple[SpecLevel, ...] = Field(("connector", "offloading"), description="the spec levels whose "
-                                                                                 "observations it reports")
-    kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")
-    reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
-
-    def lacks(self, config: EngineConfig) -> str | None:
-        """Return what `config` asks that these capabilities do not offer — a factor, policy, scheduling mode or
-        behaviour variant — or None if they offer all of it (CONF-CAP-1)."""
-        wanted = {"block_size_factors": config.block_size_factor, "eviction_policies": config.eviction_policy,
-                  **{variant: getattr(config, variant) for variant in VARIANTS}}
-        for capability, value in wanted.items():
-            if value not in getattr(self, capability):
-                return f"{capability} {getattr(self, capability)}, not {value!r}"
-        if config.async_scheduling and not self.async_scheduling:
-            return "sync scheduling only, not async"
-        return None
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Capabilities:
-        if not all((self.eviction_policies, self.block_size_factors, *(getattr(self, v) for v in VARIANTS))):
-            raise ValueError(f"capabilities must list at least one eviction policy, block_size_factor and value of "
-                             f"each of {', '.join(VARIANTS)}")
-        if any(factor < 1 for factor in self.block_size_factors):
-            raise ValueError("block_size_factors must be >= 1")
-        return self
+from kvconform.common.values import (
+    Capabilities,
+    EngineConfig,
+    RequestSpec,
+    ResourceUsage,
+    StepObservation,
+    StoreSnapshot,
+    TransferOutcome,
+)
 
 
 class ImplementationFailure(Exception):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 import kvconform
-from kvconform.adapters.contract import (
+from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.common.values import (
     BlockRef,
     Capabilities,
     EngineConfig,
-    KVConnectorAdapter,
     LoadJob,
     MatchAnswer,
     RequestSpec,

@@ -15,8 +15,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from kvconform.adapters.contract import EngineConfig, RequestSpec
 from kvconform.benchmarks.figures import Figure, Progress, at_most
+from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.reference.engine import Engine
 
 NAME = "scaling"

@@ -17,15 +17,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ValidationError
 
-from kvconform.adapters.contract import (
-    Capabilities,
-    EngineConfig,
-    ImplementationFailure,
-    KVConnectorAdapter,
-    ResourceUsage,
-    StepObservation,
-    StoreSnapshot,
-)
+from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
+from kvconform.common.values import Capabilities, EngineConfig, ResourceUsage, StepObservation, StoreSnapshot
 from kvconform.conformance.checks import ClauseViolation
 
 DEFAULT_CALL_TIMEOUT = 30.0

@@ -15,8 +15,8 @@ from typing import Literal
 
 import torch
 
-from kvconform.adapters.contract import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreJob, StoreSnapshot
-from kvconform.reference import kv_content
+from kvconform.common import kv_content
+from kvconform.common.values import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreJob, StoreSnapshot
 from kvconform.reference.engine import Engine
 from kvconform.reference.kv_cache import NULL_BLOCK_ID
 from kvconform.reference.request import Request

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvconform.adapters.contract import EngineConfig, MatchAnswer, RequestSpec, ResourceUsage, StepObservation
+from kvconform.common.values import EngineConfig, MatchAnswer, RequestSpec, ResourceUsage, StepObservation
 from kvconform.conformance.checks import ClauseViolation, check
 from kvconform.reference.kv_history import KVHistory
 

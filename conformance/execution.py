@@ -15,15 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from kvconform.adapters.contract import (
-    Capabilities,
-    EngineConfig,
-    ImplementationFailure,
-    KVConnectorAdapter,
-    RequestSpec,
-    StepObservation,
-)
+from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common.values import Capabilities, EngineConfig, RequestSpec, StepObservation
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Context, checks_of

@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvconform.adapters.contract import VARIANTS, Capabilities, EngineConfig, RequestSpec
+from kvconform.common.values import VARIANTS, Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance.execution import Call, Diverged, Execution, Scheduling, Session
 
 BASE_PROMPTS = tuple(tuple((seed * 5 + i * (seed + 2)) % 4 for i in range(48)) for seed in range(3))

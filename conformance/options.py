@@ -16,8 +16,9 @@ from typing import get_args
 
 from hypothesis.database import ExampleDatabase
 
-from kvconform.adapters.contract import Capabilities, KVConnectorAdapter
+from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.registry import AdapterNotFound, resolve
+from kvconform.common.values import Capabilities
 from kvconform.conformance import baseline, examples, report, runner
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation

@@ -13,7 +13,7 @@ from xml.etree import ElementTree
 from pydantic import BaseModel, Field
 
 import kvconform
-from kvconform.adapters.contract import Capabilities, SpecLevel
+from kvconform.common.values import Capabilities, SpecLevel
 from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.machine import Scheduling
 from kvconform.conformance.runner import Outcome, RunResult

@@ -13,7 +13,8 @@ from hypothesis.database import ExampleDatabase
 from hypothesis.errors import FlakyFailure, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvconform.adapters.contract import KVConnectorAdapter, SpecLevel
+from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.common.values import SpecLevel
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
 from kvconform.conformance.checks import ClauseViolation

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvconform.adapters.contract import Capabilities, EngineConfig, RequestSpec
+from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Replay, Session, replay
 

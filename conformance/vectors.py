@@ -19,8 +19,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvconform.adapters.contract import (VARIANTS, Capabilities, EngineConfig, KVConnectorAdapter, RequestSpec,
-                                        SpecLevel, StepObservation, TransferOutcome)
+from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.common.values import (
+    VARIANTS,
+    Capabilities,
+    EngineConfig,
+    RequestSpec,
+    SpecLevel,
+    StepObservation,
+    TransferOutcome,
+)
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import DRAIN_STEP_LIMIT
 from kvconform.reference.kv_history import RequestHistory

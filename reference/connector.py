@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvconform.adapters.contract import EngineConfig
+from kvconform.common.values import EngineConfig
 from kvconform.reference.offload_manager import OffloadKey, OffloadManager
 from kvconform.reference.recorder import StepRecorder
 from kvconform.reference.request import Request, RequestStatus

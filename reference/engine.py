@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvconform.adapters.contract import EngineConfig, RequestSpec
-from kvconform.reference import kv_content
+from kvconform.common import kv_content
+from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.reference.connector import (
     ConnectorOutput,
     OffloadConnectorScheduler,

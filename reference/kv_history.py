@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvconform.reference import kv_content
+from kvconform.common import kv_content
 
 Tenant = tuple[str | None, str | None]
 """(cache_salt, lora_name): requests share cached KV only within one tenant (KVC-HIT-1)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvconform.reference import hashing, kv_content
+from kvconform.common import kv_content
+from kvconform.reference import hashing
 
 
 class RequestStatus(enum.Enum):

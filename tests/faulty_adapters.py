@@ -12,16 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvconform.adapters.contract import (
-    BlockRef,
-    Capabilities,
-    ImplementationFailure,
-    RequestSpec,
-    ResourceUsage,
-    StepObservation,
-    StoreJob,
-)
+from kvconform.adapters.contract import ImplementationFailure
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common.values import BlockRef, Capabilities, RequestSpec, ResourceUsage, StepObservation, StoreJob
 from kvconform.conformance.mutants import black_box
 
 

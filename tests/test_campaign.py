@@ -13,7 +13,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from kvconform.adapters.contract import Capabilities
+from kvconform.common.values import Capabilities
 from kvconform.conformance import examples, report, runner
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.profiles import Shard

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.adapters.contract import EngineConfig, KVConnectorAdapter, RequestSpec
+from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import runner
 from kvconform.conformance.execution import Execution, Session
 from kvconform.conformance.mutants import MUTANTS, black_box

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from faulty_adapters import FAULTS
 from hypothesis import given, settings
 
-from kvconform.adapters.contract import EngineConfig, ResourceUsage, StepObservation, StoreSnapshot
 from kvconform.cli import main
+from kvconform.common.values import EngineConfig, ResourceUsage, StepObservation, StoreSnapshot
 from kvconform.conformance import report, runner
 from kvconform.conformance.calls import RETURNS, AdapterCaller
 from kvconform.conformance.checks import ClauseViolation

@@ -75,7 +75,7 @@ def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, options: list[st
 
 def test_a_users_scenario_files_run_with_the_bundled_ones(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """--kv-scenarios adds a user's files (or a folder of them): met, or failed with the diff of the step."""
-    from kvconform.adapters.contract import EngineConfig
+    from kvconform.common.values import EngineConfig
     from kvconform.conformance.vectors import Scenario
 
     config = EngineConfig(block_size=4, block_size_factor=1, num_gpu_blocks=16, num_offload_blocks=8,

@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis.errors import InvalidArgument
 from pydantic import ValidationError
 
-from kvconform.adapters.contract import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common import kv_content
+from kvconform.common.values import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation
 from kvconform.conformance import runner
 from kvconform.conformance.checks import ClauseViolation, Context
 from kvconform.conformance.execution import Execution, Session
 from kvconform.conformance.machine import engine_configs
 from kvconform.conformance.profiles import PROFILES, Profile
-from kvconform.reference import kv_content
 from kvconform.reference.connector import (
     ConnectorMetadata,
     ConnectorOutput,

@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from kvconform.adapters.contract import EngineConfig, RequestSpec
+from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.reference.engine import Engine
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.kv_cache import BlockPool, KVCacheManager

@@ -10,9 +10,9 @@ from xml.etree import ElementTree
 import pytest
 from click.testing import CliRunner
 
-from kvconform.adapters.contract import Capabilities
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.cli import main
+from kvconform.common.values import Capabilities
 from kvconform.conformance import baseline, runner
 from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.mutants import MUTANTS, black_box

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from kvconform.adapters.contract import EngineConfig
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common.values import EngineConfig
 from kvconform.conformance import vectors
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.vectors import Scenario
@@ -118,8 +118,8 @@ def test_the_mutant_of_a_bundled_scenario_fails_it_with_its_clause(name):
 
 def test_a_prompt_names_the_tokens_an_earlier_request_decodes():
     """`tokens_of(R)` is R's prompt and all it decodes, as the KV content function fixes them (XFER-DATA-2)."""
-    from kvconform.adapters.contract import RequestSpec
-    from kvconform.reference import kv_content
+    from kvconform.common import kv_content
+    from kvconform.common.values import RequestSpec
 
     first = RequestSpec(request_id="a", prompt=(1, 2, 3), max_tokens=2, cache_salt="s")
     states = kv_content.token_states(kv_content.initial_state(None, "s"), first.prompt)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-from kvconform.adapters.contract import Capabilities, EngineConfig, RequestSpec
+from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance import runner
 from kvconform.conformance.execution import Call, Session
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.shrinker import Failure, Shrinker
-from kvconform.adapters.reference import ReferenceAdapter
 
 PROMPT = (0, 2, 0, 2) * 3
 CONFIG = EngineConfig(num_gpu_blocks=16, block_size_factor=3, num_offload_blocks=4, eviction_policy="arc",

@@ -20,10 +20,10 @@ from importlib import resources
 import pytest
 from click.testing import CliRunner
 
-from kvconform.adapters.contract import VARIANTS, EngineConfig, RequestSpec
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.vllm import install, lmcache, runtime
 from kvconform.cli import main
+from kvconform.common.values import VARIANTS, EngineConfig, RequestSpec
 from kvconform.conformance import baseline, options, runner, vectors
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Session, replay

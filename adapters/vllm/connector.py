@@ -25,12 +25,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvconform.adapters.contract import Capabilities, EngineConfig
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
 from kvconform.adapters.vllm.lmcache import LMCacheSeam
 from kvconform.adapters.vllm.offloading import OffloadingSeam
 from kvconform.adapters.vllm.simple_cpu import SimpleCPUSeam
+from kvconform.common.values import Capabilities, EngineConfig
 
 CONNECTOR = "KVCONFORM_CONNECTOR"
 CONNECTOR_CONFIG = "KVCONFORM_CONNECTOR_CONFIG"

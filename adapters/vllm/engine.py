@@ -19,19 +19,18 @@ from typing import Any
 
 import torch
 
-from kvconform.adapters.contract import (
+from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
+from kvconform.adapters.vllm import runtime
+from kvconform.adapters.vllm.transfers import HeldTransfers
+from kvconform.common import kv_content
+from kvconform.common.values import (
     EngineConfig,
-    ImplementationFailure,
-    KVConnectorAdapter,
     MatchAnswer,
     RequestSpec,
     ResourceUsage,
     StepObservation,
     TransferOutcome,
 )
-from kvconform.adapters.vllm import runtime
-from kvconform.adapters.vllm.transfers import HeldTransfers
-from kvconform.reference import kv_content
 from kvconform.reference.transfer import TransferEngine
 
 KV_LAYER = "model.layers.0.self_attn.attn"

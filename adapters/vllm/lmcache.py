@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from kvconform.adapters.contract import EngineConfig
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
+from kvconform.common.values import EngineConfig
 
 INSTALL = ("pip install --no-deps lmcache==0.5.6 && pip install numba==0.68.1 aiofile==3.12.3 fastapi==0.165.0 "
            "uvicorn==0.55.0")

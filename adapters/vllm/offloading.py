@@ -15,17 +15,10 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from kvconform.adapters.contract import (
-    BlockRef,
-    Capabilities,
-    EngineConfig,
-    ImplementationFailure,
-    LoadJob,
-    StoreJob,
-    StoreSnapshot,
-)
+from kvconform.adapters.contract import ImplementationFailure
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, wrap
 from kvconform.adapters.vllm.transfers import HeldTransfers
+from kvconform.common.values import BlockRef, Capabilities, EngineConfig, LoadJob, StoreJob, StoreSnapshot
 
 
 class VllmOffloadingAdapter(VllmAdapter):

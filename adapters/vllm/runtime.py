@@ -23,9 +23,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvconform.adapters.contract import EngineConfig
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm.install import RELEASES
+from kvconform.common.values import EngineConfig
 
 OPT_125M_CONFIG = {
     "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768, "num_attention_heads": 12,

@@ -18,16 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvconform.adapters.contract import (
-    BlockRef,
-    Capabilities,
-    EngineConfig,
-    LoadJob,
-    StoreJob,
-    StoreSnapshot,
-)
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, wrap
 from kvconform.adapters.vllm.transfers import Copy, HeldTransfers
+from kvconform.common.values import BlockRef, Capabilities, EngineConfig, LoadJob, StoreJob, StoreSnapshot
 
 LOAD, STORE = 0, 1
 """A simple-connector event `e` is transfer job `2e` (load) or `2e + 1` (store)."""

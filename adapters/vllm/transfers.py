@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvconform.adapters.contract import TransferOutcome
+from kvconform.common.values import TransferOutcome
 from kvconform.reference.transfer import TransferEngine
 
 

@@ -12,8 +12,8 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvconform.adapters.contract import Capabilities, SpecLevel
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common.values import Capabilities, SpecLevel
 from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
 from kvconform.reference.hashing import block_hashes

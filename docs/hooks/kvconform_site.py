@@ -35,9 +35,9 @@ from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
 from pydantic import BaseModel
 
-from kvconform.adapters.contract import Capabilities
 from kvconform.adapters.registry import resolve
 from kvconform.cli import main as cli_main
+from kvconform.common.values import Capabilities
 from kvconform.conformance import plugin, report, vectors
 from kvconform.conformance.checks import CHECKS, run_time_clauses
 from kvconform.spec import registry
