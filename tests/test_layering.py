@@ -1,0 +1,71 @@
+"""Layering: the oracle depends on nothing it judges (issue 15, item 5), read from the source files with `ast`.
+
+`common/` (the contract's values, the KV content function) is the neutral ground every side imports; the reference
+imports no adapter or kit code, so a bug there cannot leak into the oracle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FORBIDDEN_IMPORTS = {
+    "common": ("kvconform.adapters", "kvconform.conformance", "kvconform.reference"),
+    "reference": ("kvconform.adapters", "kvconform.conformance"),
+}
+"""Folder of the tree → the packages no module under it may import, at any depth of its code."""
+
+
+def package_of(path: Path) -> str:
+    """Return the package a source file belongs to: each top-level folder is installed as `kvconform.<folder>`."""
+    return ".".join(("kvconform", *path.parent.relative_to(ROOT).parts))
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Return every module `source` imports, absolute, anywhere in its code: `from a import b` imports `a` and `a.b`."""
+    modules = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*anchor, *([node.module] if node.module else [])])
+            modules.add(module)
+            modules.update(f"{module}.{alias.name}" for alias in node.names)
+    return modules
+
+
+def forbidden(modules: set[str], packages: tuple[str, ...]) -> list[str]:
+    """Return the modules that are one of `packages` or inside one."""
+    return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in packages))
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN_IMPORTS))
+def test_layer_imports_nothing_it_must_not(folder: str) -> None:
+    packages = FORBIDDEN_IMPORTS[folder]
+    sources = sorted((ROOT / folder).rglob("*.py"))
+    assert sources, f"{folder}/ has no Python sources"
+    for path in sources:
+        found = forbidden(imported_modules(path.read_text(encoding="utf-8"), package_of(path)), packages)
+        assert not found, f"{path.relative_to(ROOT)} imports {', '.join(found)}: {folder}/ may import none of {packages}"
+
+
+@pytest.mark.parametrize("source", [
+    "from kvconform.adapters.contract import EngineConfig",
+    "import kvconform.adapters.contract",
+    "from kvconform import adapters",
+    "def build():\n    from kvconform.adapters import registry\n",
+    "from ..adapters import contract",
+])
+def test_every_form_of_a_forbidden_import_is_found(source: str) -> None:
+    """The scan sees absolute, package-relative and function-level imports, whichever way they are written."""
+    assert forbidden(imported_modules(source, "kvconform.reference"), FORBIDDEN_IMPORTS["reference"])
+
+
+def test_a_neighbour_of_a_forbidden_package_is_allowed() -> None:
+    assert not forbidden(imported_modules("import kvconform.adapters_extra", "kvconform.reference"),
+                         FORBIDDEN_IMPORTS["reference"])
