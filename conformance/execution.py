@@ -92,7 +92,9 @@ def render(program: list[Call]) -> str:
 class Session:
     """What the executions of one run share: the options they run under, and the tallies they add up."""
 
-    adapter_factory: Callable[[], KVConnectorAdapter] = ReferenceAdapter
+    adapter_factory: Callable[[], KVConnectorAdapter]
+    """Builds the adapter under test; there is no default, the caller names it (`kvconform run --adapter reference`
+    is the user-facing default)."""
     call_timeout: float | None = DEFAULT_CALL_TIMEOUT
     scheduling: Scheduling = "both"
     baseline: Baseline = field(default_factory=Baseline)

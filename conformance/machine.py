@@ -117,7 +117,8 @@ def _suffix(draw: st.DrawFn) -> tuple[int, ...]:
 class ConnectorStateMachine(RuleBasedStateMachine):
     """Draws programs for the adapter of `session`; subclass via `machine_for`."""
 
-    session = Session()
+    session: Session
+    """The run this machine draws examples for; `machine_for` sets it."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1086,7 +1086,7 @@ def test_blockref_identity(engine):
 
 def test_adapter_exception_is_call_failure():
     """CONF-CALL-1: an exception raised by the adapter is reported as CONF-CALL-1 naming the call."""
-    execution = Execution(Session())
+    execution = Execution(Session(ReferenceAdapter))
     execution.caller.adapter = object()
     with pytest.raises(ClauseViolation, match=r"CONF-CALL-1.*adapter\.step"):
         execution.call("step")
