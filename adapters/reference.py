@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import kvconform
@@ -26,10 +28,12 @@ class ReferenceAdapter(KVConnectorAdapter):
     """Drives `kvconform.reference.engine.Engine`; supports every capability."""
 
     name = "reference"
-    engine_class = Engine
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, *,
+                 engine: Callable[[EngineConfig, torch.device | None], Engine] = Engine) -> None:
+        """`engine` builds the engine each `start` runs: the reference `Engine`, or one a caller assembles (a mutant)."""
         self.device = device
+        self.build_engine = engine
         self.engine: Engine | None = None
         self.refs: dict[bytes, BlockRef] = {}
 
@@ -40,7 +44,7 @@ class ReferenceAdapter(KVConnectorAdapter):
         return Capabilities(complete_in_step=True)
 
     def start(self, config: EngineConfig) -> None:
-        self.engine = self.engine_class(config, self.device)
+        self.engine = self.build_engine(config, self.device)
         self.refs = {}
 
     def add_request(self, request: RequestSpec) -> None:

@@ -8,6 +8,7 @@ in step k is that of step k-1 (SCHED-ASYNC-1).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,19 +65,27 @@ class StepResult:
 class Engine:
     """The reference engine: the spec's state machine, driven one step at a time."""
 
-    manager_class = OffloadManager
-    connector_class = OffloadConnectorScheduler
-    worker_class = OffloadConnectorWorker
-
-    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device | None = None,
+        *,
+        kv: Callable[[int, int], KVCacheManager] = KVCacheManager,
+        manager: Callable[[int, str], OffloadManager] = OffloadManager,
+        connector: Callable[[OffloadManager, EngineConfig, StepRecorder], OffloadConnectorScheduler] = (
+            OffloadConnectorScheduler),
+        worker: Callable[[TransferEngine], OffloadConnectorWorker] = OffloadConnectorWorker,
+    ) -> None:
+        """Build the engine for `config` from its parts, each made by the factory of its name: the reference's
+        classes, or a part a caller hands in instead (a mutant's)."""
         self.config = config
-        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size)
+        self.kv = kv(config.num_gpu_blocks, config.block_size)
         self.recorder = StepRecorder()
-        self.manager = self.manager_class(config.num_offload_blocks, config.eviction_policy)
-        self.connector = self.connector_class(self.manager, config, self.recorder)
+        self.manager = manager(config.num_offload_blocks, config.eviction_policy)
+        self.connector = connector(self.manager, config, self.recorder)
         self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
                                        config.block_size_factor, config.token_width, config.kv_dtype, device)
-        self.worker = self.worker_class(self.transfer)
+        self.worker = worker(self.transfer)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []

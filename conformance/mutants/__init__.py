@@ -8,9 +8,12 @@ the bug back, so the kit's verdict on it says whether the clause really checks a
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import torch
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import Capabilities, SpecLevel
@@ -348,16 +351,17 @@ class NullBlockHandedOutPool(BlockPool):
         return list(blocks)
 
 
-class NullBlockHandedOutEngine(Engine):
+class NullBlockHandedOutKVCacheManager(KVCacheManager):
     """The GPU block pool hands out the null block (PFX-NULL-1): a request's KV lands where padding goes."""
 
-    def __init__(self, config, device=None):
-        super().__init__(config, device)
-        self.kv.pool = NullBlockHandedOutPool(config.num_gpu_blocks)
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size)
+        self.pool = NullBlockHandedOutPool(num_blocks)
 
 
 class HitsHeldBlocksOnlyKVCacheManager(KVCacheManager):
-    """The local hit stops at the first cached block that is free: a finished request's prefix is never hit again,
+    """The GPU prefix cache hits only blocks a running request still holds (PFX-HIT-1: free cached blocks hit too):
+    the local hit stops at the first cached block that is free, so a finished request's prefix is never hit again,
     though its blocks keep their hashes until they are reused."""
 
     def get_computed_blocks(self, request):
@@ -366,16 +370,10 @@ class HitsHeldBlocksOnlyKVCacheManager(KVCacheManager):
         return held, len(held) * self.block_size
 
 
-class HitsHeldBlocksOnlyEngine(Engine):
-    """The GPU prefix cache hits only blocks a running request still holds (PFX-HIT-1: free cached blocks hit too)."""
-
-    def __init__(self, config, device=None):
-        super().__init__(config, device)
-        self.kv = HitsHeldBlocksOnlyKVCacheManager(config.num_gpu_blocks, config.block_size)
-
-
 class UncappedHitKVCacheManager(KVCacheManager):
-    """The local hit may cover every token of the request: it is not capped at `num_tokens - 1`."""
+    """The local hit may cover every token of the request, not capped at `num_tokens - 1`: a fully cached prompt is
+    scheduled no token and its last token is never recomputed (kv_cache_manager.py caps the hit so that the request
+    samples)."""
 
     def get_computed_blocks(self, request):
         if request.skip_reading_prefix_cache:
@@ -387,15 +385,6 @@ class UncappedHitKVCacheManager(KVCacheManager):
                 break
             hit.append(block_id)
         return hit, len(hit) * self.block_size
-
-
-class UncappedLocalHitEngine(Engine):
-    """A fully cached prompt is a local hit of every token: the request is scheduled none and the last token is never
-    recomputed (kv_cache_manager.py caps the hit at num_tokens - 1 so that the request samples)."""
-
-    def __init__(self, config, device=None):
-        super().__init__(config, device)
-        self.kv = UncappedHitKVCacheManager(config.num_gpu_blocks, config.block_size)
 
 
 class LoadCoversLastTokenEngine(Engine):
@@ -499,9 +488,9 @@ class FailedLoadKeptEngine(Engine):
                 self.loads_done[request_id] = True
 
 
-PART_SLOTS = {OffloadConnectorScheduler: "connector_class", OffloadManager: "manager_class",
-              OffloadConnectorWorker: "worker_class"}
-"""Which attribute of the reference `Engine` holds each replaceable part."""
+PART_KEYWORDS = {KVCacheManager: "kv", OffloadManager: "manager", OffloadConnectorScheduler: "connector",
+                 OffloadConnectorWorker: "worker"}
+"""The keyword of the reference `Engine`'s constructor that takes each replaceable part."""
 
 
 @dataclass(frozen=True)
@@ -530,18 +519,25 @@ class Mutant:
 
     @property
     def adapter(self) -> type[ReferenceAdapter]:
-        """Return a reference adapter whose engine uses this mutant's part instead of the reference's (or the part,
-        if it is an adapter itself), reporting the spec levels of the row."""
-        if issubclass(self.part, ReferenceAdapter):
-            adapter = self.part
-        else:
-            if issubclass(self.part, Engine):
-                engine = self.part
-            else:
-                slot = next(slot for base, slot in PART_SLOTS.items() if issubclass(self.part, base))
-                engine = type(f"{self.part.__name__}Engine", (Engine,), {slot: self.part})
-            adapter = type(f"{self.part.__name__}Adapter", (ReferenceAdapter,), {"engine_class": engine})
+        """Return a reference adapter whose engine is built with this mutant's part instead of the reference's (or the
+        part, if it is an adapter itself), reporting the spec levels of the row."""
+        adapter = self.part if issubclass(self.part, ReferenceAdapter) else engine_adapter(self.part)
         return adapter if self.levels == Mutant.levels else black_box(adapter)
+
+
+def engine_adapter(part: type) -> type[ReferenceAdapter]:
+    """Return a reference adapter, named after `part`, whose engines are that Engine subclass or the reference
+    `Engine` given that part through its constructor."""
+    if issubclass(part, Engine):
+        engine = part
+    else:
+        keyword = next(keyword for base, keyword in PART_KEYWORDS.items() if issubclass(part, base))
+        engine = functools.partial(Engine, **{keyword: part})
+
+    def __init__(self: ReferenceAdapter, device: torch.device | None = None) -> None:
+        ReferenceAdapter.__init__(self, device, engine=engine)
+
+    return type(f"{part.__name__}Adapter", (ReferenceAdapter,), {"__init__": __init__})
 
 
 def black_box(adapter: type[ReferenceAdapter]) -> type[ReferenceAdapter]:
@@ -593,9 +589,9 @@ MUTANTS = {
     "async-flag-on-zero": row(AsyncFlagOnZeroConnector, "base.py contract", "CONN-MATCH-2"),
     "hit-one-block-short": row(HitOneBlockShortConnector, "offloading scheduler contract", "CONN-MATCH-1"),
     "load-covers-last-token": row(LoadCoversLastTokenEngine, "scheduler contract", "LIFE-LOAD-2"),
-    "local-hit-covers-last-token": row(UncappedLocalHitEngine, "kv_cache_manager.py contract", "PFX-HIT-3"),
-    "hits-held-blocks-only": row(HitsHeldBlocksOnlyEngine, "block_pool.py contract", "PFX-HIT-1"),
-    "null-block-handed-out": row(NullBlockHandedOutEngine, "block_pool.py contract", "PFX-NULL-1"),
+    "local-hit-covers-last-token": row(UncappedHitKVCacheManager, "kv_cache_manager.py contract", "PFX-HIT-3"),
+    "hits-held-blocks-only": row(HitsHeldBlocksOnlyKVCacheManager, "block_pool.py contract", "PFX-HIT-1"),
+    "null-block-handed-out": row(NullBlockHandedOutKVCacheManager, "block_pool.py contract", "PFX-NULL-1"),
     "answers-during-transfers": row(AnswersDuringTransfersConnector, "offloading scheduler contract", "CONN-MATCH-4"),
     "hit-while-loading": row(HitWhileLoadingConnector, "offloading scheduler contract", "OFF-LOOKUP-4"),
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
