@@ -31,7 +31,7 @@ class ReferenceAdapter(KVConnectorAdapter):
 
     def __init__(self, device: torch.device | None = None, *,
                  engine: Callable[[EngineConfig, torch.device | None], Engine] = Engine) -> None:
-        """`engine` builds the engine each `start` runs: the reference `Engine`, or one a caller assembles (a mutant)."""
+        """`engine` builds the engine that each `start` runs: the reference `Engine`, or one a mutant assembles."""
         self.device = device
         self.build_engine = engine
         self.engine: Engine | None = None

@@ -1,1 +1,2 @@
-"""Neutral ground: the values of the adapter contract and the KV content function, shared by the reference, the adapters and the kit."""
+"""Neutral ground: the values of the adapter contract and the KV content function, for the reference, the adapters
+and the kit alike."""

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+"""The KV element types, by the name `EngineConfig.kv_dtype` gives them."""
+
 VOCAB_SIZE = 4
 """Sampled tokens lie in range(VOCAB_SIZE): small, so decoded continuations collide and share blocks."""
 

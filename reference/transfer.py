@@ -10,9 +10,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from kvconform.common.kv_content import KV_DTYPES
 from kvconform.reference.errors import InvalidCall
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def default_device() -> torch.device:
@@ -32,17 +31,17 @@ class TransferEngine:
         dtype: str = "float16",
         device: torch.device | None = None,
     ) -> None:
-        if dtype not in DTYPES:
-            raise InvalidCall("XFER-COPY-1", f"unsupported KV dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        if dtype not in KV_DTYPES:
+            raise InvalidCall("XFER-COPY-1", f"unsupported KV dtype {dtype!r}; use one of {sorted(KV_DTYPES)}")
         self.device = device or default_device()
         self.factor = block_size_factor
         self.block_size = block_size
-        self.gpu = torch.zeros(num_gpu_blocks, block_size, token_width, dtype=DTYPES[dtype], device=self.device)
+        self.gpu = torch.zeros(num_gpu_blocks, block_size, token_width, dtype=KV_DTYPES[dtype], device=self.device)
         self.store = torch.zeros(
             num_slots * block_size_factor,
             block_size,
             token_width,
-            dtype=DTYPES[dtype],
+            dtype=KV_DTYPES[dtype],
             pin_memory=self.device.type == "cuda",
         )
 

@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.adapters.vllm import install, lmcache, runtime
+from kvconform.adapters.vllm import install, lmcache, runtime, transfers
 from kvconform.cli import main
 from kvconform.common.values import VARIANTS, EngineConfig, RequestSpec
 from kvconform.conformance import baseline, options, runner, vectors
@@ -399,6 +399,40 @@ def test_black_box_agrees_with_white_box_on_the_seed_rule(connector_environment:
         assert violation is None, violation
     else:
         assert violation is not None and violation.clause == "KVC-SKIP-1", violation
+
+
+ADAPTER_COPY = transfers.KVTensors.copy
+"""The vLLM adapters' own copy between the GPU KV tensor and the CPU store, shared with no reference code."""
+
+
+def crossed_loads(kv_tensors: transfers.KVTensors, copy: transfers.Copy) -> None:
+    """A broken copy: a load pairs the GPU blocks with the store rows in reverse order (a store is copied intact)."""
+    if not copy.is_store:
+        copy = transfers.Copy(False, copy.gpu_blocks[::-1], copy.rows)
+    ADAPTER_COPY(kv_tensors, copy)
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("kind, white_box", [("offloading", True), ("offloading", False), ("simple-cpu", False)],
+                         ids=["vllm-offloading", "vllm-connector-offloading", "vllm-connector-simple-cpu"])
+def test_a_broken_copy_in_the_adapter_fails_the_byte_check(connector_environment: None, monkeypatch: pytest.MonkeyPatch,
+                                                           kind: str, white_box: bool) -> None:
+    """XFER-DATA-1 / KVC-DATA-1 judge the bytes the adapter's own copy moves: a program that stores a prompt and loads
+    it back passes, and fails its byte check once the adapter's load copy is broken; the reference, which copies with
+    code of its own, is untouched. (vllm-simple-cpu's offers fail their known failure OFF-STORE-1 before the load, so
+    its seam is judged through the black box.)"""
+    adapter = adapter_class(kind) if white_box else connector_adapter(SEAM_CONNECTORS[kind])
+    program = [Call("start", (EngineConfig(block_size_factor=1, **variants(adapter())),))]
+    for request_id in ("fill", "read"):
+        program += [Call("add_request", (RequestSpec(request_id=request_id, prompt=(0, 1, 2, 3) * 6, max_tokens=3),)),
+                    Call("drain"), Call("reset_prefix_cache", (False,))]
+    assert replay(Session(adapter), program).violation is None
+    monkeypatch.setattr(transfers.KVTensors, "copy", crossed_loads)
+    violation = replay(Session(adapter), program).violation
+    data_clause = "XFER-DATA-1" if white_box else "KVC-DATA-1"
+    assert violation is not None and violation.clause == data_clause, violation
+    assert replay(Session(ReferenceAdapter), program).violation is None
 
 
 @pytest.mark.vllm

@@ -3,8 +3,9 @@
 Real vLLM code: the `Scheduler` (or `AsyncScheduler`), its `KVCacheManager` and block pool, the request
 block hasher, the scheduler side of the KV connector and the worker-side connector object. Not vLLM code:
 the model forward. It writes each scheduled token's KV bytes with kvconform's KV content function into
-real CPU tensors that are registered with the worker-side connector, and samples
-`kv_content.next_token`, so outputs are deterministic and equal the reference's (XFER-DATA-1/2). Each
+real CPU tensors that are registered with the worker-side connector (`transfers.KVTensors`, the adapter's own, not
+the reference's), and samples `kv_content.next_token`, so outputs are deterministic and equal the reference's
+(XFER-DATA-1/2). Each
 `step()` is one `EngineCore.step()` (sync) or `EngineCore.step_with_batch_queue()` (async, queue of 2),
 with the worker-side connector called in the order of vLLM's model runner.
 """
@@ -21,7 +22,7 @@ import torch
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.vllm import runtime
-from kvconform.adapters.vllm.transfers import HeldTransfers
+from kvconform.adapters.vllm.transfers import HeldTransfers, KVTensors
 from kvconform.common import kv_content
 from kvconform.common.values import (
     EngineConfig,
@@ -31,7 +32,6 @@ from kvconform.common.values import (
     StepObservation,
     TransferOutcome,
 )
-from kvconform.reference.transfer import TransferEngine
 
 KV_LAYER = "model.layers.0.self_attn.attn"
 """The one attention layer of the KV layout the adapters register with vLLM."""
@@ -175,10 +175,10 @@ class TransferSeam:
     """How a connector's transfers run without CUDA. This one: the connector runs them itself, the kit lends it nothing.
 
     vLLM's own offloading connectors copy with CUDA kernels on their worker side; their seams
-    (`offloading.OffloadingSeam`, `simple_cpu.SimpleCPUSeam`) put the kit's torch copies (`transfers.HeldTransfers`)
-    in their place and size the connector's CPU store to the engine config; LMCache's (`lmcache.LMCacheSeam`) gives
-    it a torch copy of its own. They are all a white-box adapter and `vllm-connector` need to run such a connector on
-    CPU; what either observes is not the seam's business.
+    (`offloading.OffloadingSeam`, `simple_cpu.SimpleCPUSeam`) put the adapters' own torch copies
+    (`transfers.HeldTransfers`) in their place and size the connector's CPU store to the engine config; LMCache's
+    (`lmcache.LMCacheSeam`) gives it a torch copy of its own. They are all a white-box adapter and `vllm-connector`
+    need to run such a connector on CPU; what either observes is not the seam's business.
     """
 
     def capabilities(self) -> dict[str, Any]:
@@ -231,7 +231,7 @@ class VllmAdapter(KVConnectorAdapter):
         """Wrap the connector's objects once the scheduler and the worker-side connector exist; by default none."""
 
     def store_slots(self, config: EngineConfig) -> int:
-        """Return the store rows (in offloaded blocks) the transfer engine holds: those of the seam."""
+        """Return the offloaded blocks the CPU store tensor holds: those of the seam."""
         return self.seam.store_slots(config)
 
     def transfer_config(self) -> dict[str, Any]:
@@ -285,10 +285,8 @@ class VllmAdapter(KVConnectorAdapter):
         self.queue: list[Batch] = []
         self.lora_ids: dict[str, int] = {}
         self.requests: dict[str, Any] = {}
-        self.transfer = TransferEngine(config.num_gpu_blocks, self.store_slots(config), config.block_size,
-                                       config.block_size_factor, config.token_width, config.kv_dtype,
-                                       torch.device("cpu"))
-        self.transfers = HeldTransfers(self.transfer)
+        self.kv_tensors = KVTensors(config, self.store_slots(config) * config.block_size_factor)
+        self.transfers = HeldTransfers(self.kv_tensors)
         self.vllm_config = self.rt.vllm_config(config, self.connector_name, self.extra_config(config),
                                                self.transfer_config())
         self.kv_cache_config = self._kv_cache_config(config)
@@ -309,7 +307,7 @@ class VllmAdapter(KVConnectorAdapter):
                 config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
                 kv_cache_config=self.kv_cache_config)
         self.worker_built(self.worker)
-        self.runner = runner_glue(self.rt, self.vllm_config, self.worker, {KV_LAYER: self.transfer.gpu})
+        self.runner = runner_glue(self.rt, self.vllm_config, self.worker, {KV_LAYER: self.kv_tensors.gpu})
         self.scheduler.finished_req_ids = FinishOrder()
         wrap(self.scheduler.connector, "get_num_new_matched_tokens", self._record_match)
         wrap(self.scheduler.connector, "request_finished", self._record_finish_answer)
@@ -321,12 +319,12 @@ class VllmAdapter(KVConnectorAdapter):
         self.attach()
 
     def _kv_cache_config(self, config: EngineConfig) -> Any:
-        """Return a KVCacheConfig of one full-attention layer whose pages are the transfer engine's GPU blocks."""
+        """Return a KVCacheConfig of one full-attention layer whose pages are the blocks of the GPU KV tensor."""
         iface = self.rt.kv_iface
         spec = iface.FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=config.token_width // 2,
-                                       dtype=self.transfer.gpu.dtype)
+                                       dtype=self.kv_tensors.gpu.dtype)
         page = spec.page_size_bytes
-        assert page == self.transfer.gpu[0].numel() * self.transfer.gpu.element_size(), "KV page size mismatch"
+        assert page == self.kv_tensors.page_bytes, "KV page size mismatch"
         size = page * config.num_gpu_blocks
         tensor = runtime.dataclass_kwargs(iface.KVCacheTensor, size=size, shared_by=[KV_LAYER], layers=[KV_LAYER],
                                           layer_stride=size, block_stride=page)
@@ -449,8 +447,8 @@ class VllmAdapter(KVConnectorAdapter):
             start = end - num_new
             blocks = self.block_ids(request_id)
             states = self._token_states(request_id, tokens[:end])
-            self.transfer.write_tokens(blocks, start, kv_content.kv_values(
-                states[start:end], self.config.token_width, self.transfer.gpu.dtype))
+            self.kv_tensors.write(blocks, start, kv_content.kv_values(
+                states[start:end], self.config.token_width, self.kv_tensors.gpu.dtype))
             self.trace.forward_writes.update(blocks[start // block_size : -(-end // block_size)])
             if end == len(tokens):
                 sampled[request_id] = kv_content.next_token(states[end - 1])
@@ -520,8 +518,8 @@ class VllmAdapter(KVConnectorAdapter):
     def computed_kv(self, request_id: str) -> torch.Tensor:
         request = self.scheduler.requests.get(request_id)
         if request is None:
-            return self.transfer.read_tokens([], 0)
-        return self.transfer.read_tokens(self.block_ids(request_id), request.num_computed_tokens)
+            return self.kv_tensors.read([], 0)
+        return self.kv_tensors.read(self.block_ids(request_id), request.num_computed_tokens)
 
     def used_gpu_blocks(self) -> int:
         pool = self.scheduler.kv_cache_manager.block_pool

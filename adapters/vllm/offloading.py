@@ -269,7 +269,7 @@ class OffloadingSeam(TransferSeam):
         session_id = f"kvconform-{next(_SESSION_IDS)}"
         offloading_spec.SESSIONS[session_id] = self
         alignment = offloading_spec.CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
-        chunk = config.block_size * config.token_width * self.transfers.engine.gpu.element_size() * config.block_size_factor
+        chunk = self.transfers.kv_tensors.page_bytes * config.block_size_factor
         aligned_chunk = -(-chunk // alignment) * alignment
         return {
             "spec_name": "KVConformCPUOffloadingSpec",

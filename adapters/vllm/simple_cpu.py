@@ -6,7 +6,7 @@ hashes, so the CPU store is an LRU free queue of GPU-block-sized blocks). Not vL
 (`engine.py`) and the worker handler. vLLM's `SimpleCPUOffloadWorker` copies with CUDA streams, events and
 a DMA kernel; this adapter replaces it (`HeldSimpleWorker`) by one that keeps the same metadata protocol —
 load and store events in, `finished_recving` and completed store events out — and executes the copies
-with kvconform's torch transfer engine when the harness completes transfers.
+with the adapter's own torch copies (`transfers.KVTensors`) when the harness completes transfers.
 
 Observations: lookups are the CPU pool's `get_cached_block` calls while the connector answers
 `get_num_new_matched_tokens`; loads are the connector's load transfers (`_reqs_to_load`); the blocks the
@@ -41,7 +41,7 @@ class HeldSimpleWorker:
         self.unreported_store_events: dict[int, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """The KV tensors are the transfer engine's already."""
+        """The KV tensors are the adapter's `KVTensors` already."""
 
     def bind_connector_metadata(self, meta: Any) -> None:
         self.meta, self.pending = meta, {LOAD: meta.load_event >= 0, STORE: meta.store_event >= 0}
@@ -110,7 +110,7 @@ class SimpleCPUSeam(TransferSeam):
         return config.num_offload_blocks + 1  # the CPU BlockPool keeps block 0 as its null block
 
     def extra_config(self, config: EngineConfig) -> dict[str, Any]:
-        page = config.block_size * config.token_width * self.adapter.transfer.gpu.element_size()
+        page = self.adapter.kv_tensors.page_bytes
         return {"cpu_bytes_to_use": page * self.store_slots(config), "lazy_offload": False}
 
     def worker_built(self, worker: Any) -> None:

@@ -1,19 +1,23 @@
 """Transfer execution for the vLLM adapters: real torch copies, held in flight until the harness lets them finish.
 
-vLLM's own transfer code needs CUDA streams, pinned memory and compiled copy kernels; on a CPU-only
-machine the adapters replace it with kvconform's torch transfer engine (`reference.transfer`), which
-copies whole GPU blocks between the KV tensors registered with vLLM and a CPU store tensor. A job's
-bytes are copied when it finishes, never earlier, so a GPU block overwritten while a store still reads
-it shows up as corrupt bytes (XFER-DATA-1) as well as in XFER-SAFE-1.
+vLLM's own transfer code needs CUDA streams, pinned memory and compiled copy kernels (`swap_blocks`, a DMA batch
+copy); on a CPU-only machine the adapters replace it with `KVTensors`, a small torch copy of their own that moves
+whole GPU blocks between the KV tensor registered with vLLM and a CPU store tensor. It shares no code with the
+reference's `TransferEngine`: the byte checks (XFER-DATA-1, KVC-DATA-1) judge the adapter's own byte path against
+what the bytes must be, the KV content function, the one part both sides share. A job's bytes are copied when it
+finishes, never earlier, so a GPU block overwritten while a store still reads it shows up as corrupt bytes
+(XFER-DATA-1) as well as in XFER-SAFE-1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvconform.common.values import TransferOutcome
-from kvconform.reference.transfer import TransferEngine
+import torch
+
+from kvconform.common.kv_content import KV_DTYPES
+from kvconform.common.values import EngineConfig, TransferOutcome
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,48 @@ class Copy:
     is_store: bool
     gpu_blocks: tuple[int, ...]
     rows: tuple[int, ...]
+
+
+class KVTensors:
+    """The KV bytes of a vLLM adapter: the GPU KV tensor `[blocks, block_size, token_width]` registered with vLLM, and
+    the CPU store tensor `[rows, block_size, token_width]` of GPU-block-sized rows that the connector's copies fill.
+
+    The forward writes through a slot mapping (slot = block * block_size + offset), as vLLM's `reshape_and_cache`
+    does; a copy moves whole blocks by index, as `swap_blocks` does."""
+
+    def __init__(self, config: EngineConfig, store_rows: int) -> None:
+        dtype = KV_DTYPES[config.kv_dtype]
+        self.gpu = torch.zeros(config.num_gpu_blocks, config.block_size, config.token_width, dtype=dtype)
+        self.cpu = torch.zeros(store_rows, config.block_size, config.token_width, dtype=dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        """Return the bytes of one GPU block, the page vLLM's KV cache spec sizes."""
+        return self.gpu[0].numel() * self.gpu.element_size()
+
+    def slots(self, gpu_blocks: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Return the slot of each token position `start .. end` of a request whose block table is `gpu_blocks`."""
+        positions = torch.arange(start, end)
+        block_size = self.gpu.shape[1]
+        blocks = torch.tensor(list(gpu_blocks), dtype=torch.int64)[positions // block_size]
+        return blocks * block_size + positions % block_size
+
+    def write(self, gpu_blocks: Sequence[int], start: int, rows: torch.Tensor) -> None:
+        """Write the KV rows of token positions `start .. start + len(rows)` into their slots (the forward)."""
+        self.gpu.view(-1, self.gpu.shape[2])[self.slots(gpu_blocks, start, start + len(rows))] = rows
+
+    def read(self, gpu_blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """Return the KV rows `[num_tokens, token_width]` of a request's first tokens, from their slots."""
+        return self.gpu.view(-1, self.gpu.shape[2])[self.slots(gpu_blocks, 0, num_tokens)]
+
+    def copy(self, copy: Copy) -> None:
+        """Copy GPU blocks into store rows (a store) or store rows into GPU blocks (a load), pair by pair."""
+        gpu_blocks = torch.tensor(copy.gpu_blocks, dtype=torch.int64)
+        rows = torch.tensor(copy.rows, dtype=torch.int64)
+        if copy.is_store:
+            self.cpu.index_copy_(0, rows, self.gpu.index_select(0, gpu_blocks))
+        else:
+            self.gpu.index_copy_(0, gpu_blocks, self.cpu.index_select(0, rows))
 
 
 def store_rows(slots: Iterable[int], factor: int, first_logical_block: int, count: int) -> tuple[int, ...]:
@@ -37,8 +83,8 @@ class HeldTransfers:
     """Jobs the vLLM worker submitted; each finishes when the harness completes transfers (CONN-STEP-4)
     or when vLLM waits for it (a flush)."""
 
-    def __init__(self, engine: TransferEngine) -> None:
-        self.engine = engine
+    def __init__(self, kv_tensors: KVTensors) -> None:
+        self.kv_tensors = kv_tensors
         self.held: dict[int, Copy] = {}
         self.issued: dict[int, Copy] = {}
         self.released: dict[int, bool] = {}
@@ -96,10 +142,8 @@ class HeldTransfers:
                 for block in copy.gpu_blocks}
 
     def _run(self, job_id: int, copy: Copy, success: bool) -> None:
-        if success and copy.is_store:
-            self.engine.copy_to_store(copy.gpu_blocks, copy.rows)
-        elif success:
-            self.engine.copy_to_gpu(copy.rows, copy.gpu_blocks)
+        if success:
+            self.kv_tensors.copy(copy)
         self.issued.pop(job_id, None)
         self.released.pop(job_id, None)
         self.finished.append((job_id, success))
