@@ -56,6 +56,19 @@ def test_layer_imports_nothing_it_must_not(folder: str) -> None:
         assert not found, f"{path.relative_to(ROOT)} imports {', '.join(found)}; {folder}/ may import none of them"
 
 
+def test_the_contract_is_imported_for_what_it_defines() -> None:
+    """adapters/contract.py owns the adapter ABC and ImplementationFailure; the values it uses are imported from
+    `kvconform.common.values`, never through it."""
+    contract = ast.parse((ROOT / "adapters" / "contract.py").read_text(encoding="utf-8"))
+    defined = {node.name for node in contract.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    for path in sorted(p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.parts)):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "kvconform.adapters.contract":
+                borrowed = sorted(alias.name for alias in node.names if alias.name not in defined)
+                assert not borrowed, (f"{path.relative_to(ROOT)} imports {borrowed} from adapters.contract, which "
+                                      "only uses them: import them from kvconform.common.values")
+
+
 @pytest.mark.parametrize("source", [
     "from kvconform.adapters.contract import EngineConfig",
     "import kvconform.adapters.contract",
