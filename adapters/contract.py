@@ -124,9 +124,12 @@ class StepObservation(_Frozen):
     store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
     # The offloading level: the manager calls of the step, as vLLM's OffloadingManager receives them.
     completed_loads: tuple[LoadJob, ...] = Field((), description="load jobs whose completion was processed in this "
-                                                               "step (complete_load, OFF-MGR-3)")
+                                                               "step (complete_load, OFF-MGR-3); each job of `loads` "
+                                                               "once, unless a connector reset discarded it (CONN-STEP-4)")
     completed_stores: tuple[StoreJob, ...] = Field((), description="store jobs whose completion was processed in "
-                                                                 "this step, successful or not (complete_store)")
+                                                                 "this step, successful or not (complete_store); each "
+                                                                 "job of `stores` once, unless a connector reset "
+                                                                 "discarded it (CONN-STEP-4)")
     flushed_stores: tuple[StoreJob, ...] = Field((), description="store jobs flushed (waited for) in this step "
                                                                "(LIFE-FREE-2, OFF-MGR-8)")
     touches: tuple[BlockRef, ...] = Field((), description="blocks touched in the store in this step, in order, "
@@ -202,6 +205,8 @@ class Capabilities(_Frozen):
                                                                                  "observations it reports")
     kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
+    reads_stored_kv: bool = Field(False, description="stored_kv() returns the bytes the store holds for a readable "
+                                                     "offloaded block, so the data at rest is checked (XFER-DATA-3)")
 
     def lacks(self, config: EngineConfig) -> str | None:
         """Return what `config` asks that these capabilities do not offer — a factor, policy, scheduling mode or
@@ -293,6 +298,13 @@ class KVConnectorAdapter(abc.ABC):
     def computed_kv(self, request_id: str) -> torch.Tensor:
         """Return the GPU KV rows `[num_computed_tokens, token_width]` of a running request, or of a waiting
         request whose load has completed (its computed tokens are its local hit plus the loaded ones)."""
+
+    def stored_kv(self, block: BlockRef) -> torch.Tensor:
+        """Return the KV rows `[offloaded block size, token_width]` the store holds for a readable offloaded block.
+
+        Called only if `Capabilities.reads_stored_kv`, for the blocks a store completed in the step just observed made
+        readable (XFER-DATA-3); an adapter that cannot read its store's bytes keeps the capability off."""
+        raise NotImplementedError(f"{self.name} does not read its store's bytes (capabilities: reads_stored_kv=False)")
 
     @abc.abstractmethod
     def resource_usage(self) -> ResourceUsage:
