@@ -125,7 +125,8 @@ class StepObservation(_Frozen):
     # The offloading level: the manager calls of the step, as vLLM's OffloadingManager receives them.
     completed_loads: tuple[LoadJob, ...] = Field((), description="load jobs whose completion was processed in this "
                                                                "step (complete_load, OFF-MGR-3); each job of `loads` "
-                                                               "once, unless a connector reset discarded it (CONN-STEP-4)")
+                                                               "once, unless a connector reset discarded it "
+                                                               "(CONN-STEP-4)")
     completed_stores: tuple[StoreJob, ...] = Field((), description="store jobs whose completion was processed in "
                                                                  "this step, successful or not (complete_store); each "
                                                                  "job of `stores` once, unless a connector reset "

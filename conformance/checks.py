@@ -583,7 +583,7 @@ def check_drained(ctx: Context, usage, steps: int) -> None:
 
 @check("XFER-DATA-3", kind="stored-data")
 def check_stored_bytes(ctx: Context, block: BlockRef, kv: torch.Tensor) -> None:
-    """The bytes of a block a store made readable in the step are the KV content function's for its tokens and tenant."""
+    """The bytes a completed store left readable are the KV of the block's tokens in the storing request's tenant."""
     ctx.exercise("XFER-DATA-3")
     size = ctx.config.block_size * ctx.config.block_size_factor
     first = block.index * size
