@@ -11,6 +11,7 @@ import abc
 import torch
 
 from kvconform.common.values import (
+    BlockRef,
     Capabilities,
     EngineConfig,
     RequestSpec,
@@ -89,6 +90,13 @@ class KVConnectorAdapter(abc.ABC):
     def computed_kv(self, request_id: str) -> torch.Tensor:
         """Return the GPU KV rows `[num_computed_tokens, token_width]` of a running request, or of a waiting
         request whose load has completed (its computed tokens are its local hit plus the loaded ones)."""
+
+    def stored_kv(self, block: BlockRef) -> torch.Tensor:
+        """Return the KV rows `[offloaded block size, token_width]` the store holds for a readable offloaded block.
+
+        Called only if `Capabilities.reads_stored_kv`, for the blocks a store completed in the step just observed made
+        readable (XFER-DATA-3); an adapter that cannot read its store's bytes keeps the capability off."""
+        raise NotImplementedError(f"{self.name} does not read its store's bytes (capabilities: reads_stored_kv=False)")
 
     @abc.abstractmethod
     def resource_usage(self) -> ResourceUsage:

@@ -41,7 +41,7 @@ class ReferenceAdapter(KVConnectorAdapter):
         return kvconform.__version__
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(complete_in_step=True)
+        return Capabilities(complete_in_step=True, reads_stored_kv=True)
 
     def start(self, config: EngineConfig) -> None:
         self.engine = self.build_engine(config, self.device)
@@ -120,6 +120,9 @@ class ReferenceAdapter(KVConnectorAdapter):
 
     def computed_kv(self, request_id: str) -> torch.Tensor:
         return self.engine.computed_kv(request_id)
+
+    def stored_kv(self, block: BlockRef) -> torch.Tensor:
+        return self.engine.stored_kv(block.request_id, block.index)
 
     def resource_usage(self) -> ResourceUsage:
         engine = self.engine

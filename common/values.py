@@ -123,9 +123,13 @@ class StepObservation(_Frozen):
     store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
     # The offloading level: the manager calls of the step, as vLLM's OffloadingManager receives them.
     completed_loads: tuple[LoadJob, ...] = Field((), description="load jobs whose completion was processed in this "
-                                                               "step (complete_load, OFF-MGR-3)")
+                                                               "step (complete_load, OFF-MGR-3); each job of `loads` "
+                                                               "once, unless a connector reset discarded it "
+                                                               "(CONN-STEP-4)")
     completed_stores: tuple[StoreJob, ...] = Field((), description="store jobs whose completion was processed in "
-                                                                 "this step, successful or not (complete_store)")
+                                                                 "this step, successful or not (complete_store); each "
+                                                                 "job of `stores` once, unless a connector reset "
+                                                                 "discarded it (CONN-STEP-4)")
     flushed_stores: tuple[StoreJob, ...] = Field((), description="store jobs flushed (waited for) in this step "
                                                                "(LIFE-FREE-2, OFF-MGR-8)")
     touches: tuple[BlockRef, ...] = Field((), description="blocks touched in the store in this step, in order, "
@@ -201,6 +205,8 @@ class Capabilities(_Frozen):
                                                                                  "observations it reports")
     kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
+    reads_stored_kv: bool = Field(False, description="stored_kv() returns the bytes the store holds for a readable "
+                                                     "offloaded block, so the data at rest is checked (XFER-DATA-3)")
 
     def lacks(self, config: EngineConfig) -> str | None:
         """Return what `config` asks that these capabilities do not offer — a factor, policy, scheduling mode or

@@ -32,6 +32,7 @@ RETURNS: dict[str, type] = {
     "resource_usage": ResourceUsage,
     "reset_prefix_cache": bool,
     "computed_kv": torch.Tensor,
+    "stored_kv": torch.Tensor,
 }
 """What each contract method returns; the others return nothing the harness reads."""
 

@@ -9,6 +9,7 @@ and writes, evictions, frees) — so a failure names the clause of its cause rat
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -16,15 +17,28 @@ from typing import Literal
 import torch
 
 from kvconform.common import kv_content
-from kvconform.common.values import BlockRef, EngineConfig, RequestSpec, StepObservation, StoreJob, StoreSnapshot
+from kvconform.common.values import (
+    BlockRef,
+    EngineConfig,
+    LoadJob,
+    RequestSpec,
+    StepObservation,
+    StoreJob,
+    StoreSnapshot,
+)
 from kvconform.reference.engine import Engine
 from kvconform.reference.kv_cache import NULL_BLOCK_ID
 from kvconform.reference.request import Request
 
-Kind = Literal["step", "store", "data", "reset", "drain", "connector", "connector-data", "connector-drain"]
+Kind = Literal["step", "store", "data", "reset", "drain", "connector", "connector-data", "connector-drain",
+               "stored-data"]
 """What a check judges: a step, the store, the KV bytes or the answer to a prefix-cache reset against the reference,
 or the drained engine (offloading level); a step, the bytes or the drained engine on the adapter's own schedule
-(`connector_level.py`)."""
+(`connector_level.py`); the bytes of a block a store made readable (offloading level)."""
+
+JobName = tuple[bool, str, tuple[int, ...]]
+"""A transfer job as observations name it: (is a store, request, offloaded blocks). No two jobs in flight share a
+name: a request has one load at a time, and a store writes only blocks the store does not hold (OFF-MGR-5)."""
 
 
 class ClauseViolation(AssertionError):
@@ -82,6 +96,8 @@ class Context:
     exercised: dict[str, int] = field(default_factory=dict)
     kv_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     hashes: dict[BlockRef, bytes] = field(default_factory=dict)
+    jobs_in_flight: Counter[JobName] = field(default_factory=Counter)
+    """The adapter's transfer jobs created and not yet reported finished (CONN-STEP-4)."""
 
     def identity(self, ref: BlockRef) -> bytes:
         """Return the block hash that a `BlockRef` stands for (CONF-OBS-2); a request's hashes never change."""
@@ -155,7 +171,9 @@ def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
 @check("CONF-OBS-2")
 def check_block_refs(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every BlockRef the adapter reports names a full offloaded block of a request the harness added."""
-    refs = [*sut.evicted, *(evicted for offer in sut.store_offers for evicted in offer.evicted), *sut.touches]
+    refs = [*sut.evicted, *(evicted for offer in sut.store_offers for evicted in offer.evicted), *sut.touches,
+            *(BlockRef(request_id=job.request_id, index=index) for job in sut.completed_stores
+              for index in job.offload_indices)]
     if refs:
         ctx.exercise("CONF-OBS-2")
     ctx.identities(refs)
@@ -523,14 +541,18 @@ def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> Non
     """The GPU bytes of a running or just loaded request's computed tokens equal the KV content function's."""
     request = ctx.oracle.requests[request_id]
     ctx.exercise("XFER-DATA-1")
-    expected = ctx.expected_kv(request, request.num_computed_tokens, kv.dtype)
+    _judge_bytes("XFER-DATA-1", f"request {request_id!r}", kv,
+                 ctx.expected_kv(request, request.num_computed_tokens, kv.dtype),
+                 "what the forward wrote for that prefix (corrupt, stale or misplaced load)")
+
+
+def _judge_bytes(clause: str, what: str, kv: torch.Tensor, expected: torch.Tensor, cause: str, first: int = 0) -> None:
+    """Fail `clause` unless the KV rows `kv` of `what`, for the token positions from `first` on, equal `expected`."""
     if kv.shape != expected.shape:
-        raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV of shape {tuple(kv.shape)}, "
-                                             f"expected {tuple(expected.shape)}")
+        raise ClauseViolation(clause, f"{what}: KV of shape {tuple(kv.shape)}, expected {tuple(expected.shape)}")
     if not torch.equal(kv, expected):
-        wrong = (kv != expected).any(dim=1).nonzero().flatten().tolist()
-        raise ClauseViolation("XFER-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong[:8]} differ "
-                                             "from what the forward wrote for that prefix (corrupt, stale or misplaced load)")
+        wrong = [first + row for row in (kv != expected).any(dim=1).nonzero().flatten().tolist()]
+        raise ClauseViolation(clause, f"{what}: KV bytes of token positions {wrong[:8]} differ from {cause}")
 
 
 @check("PFX-RESET-1", kind="reset")
@@ -554,6 +576,58 @@ def check_drained(ctx: Context, usage, steps: int) -> None:
     leaks = {name: value for name, value in usage.model_dump().items() if value}
     if leaks:
         raise ClauseViolation("LIFE-LEAK-1", f"engine idle but still holds {leaks}")
+
+
+# --- data at rest and job accounting ------------------------------------------------------------
+
+
+@check("XFER-DATA-3", kind="stored-data")
+def check_stored_bytes(ctx: Context, block: BlockRef, kv: torch.Tensor) -> None:
+    """The bytes a completed store left readable are the KV of the block's tokens in the storing request's tenant."""
+    ctx.exercise("XFER-DATA-3")
+    size = ctx.config.block_size * ctx.config.block_size_factor
+    first = block.index * size
+    expected = ctx.expected_kv(ctx.oracle.requests[block.request_id], first + size, kv.dtype)[first:]
+    _judge_bytes("XFER-DATA-3", f"{block!r}, as the store holds it", kv, expected,
+                 "the KV of that prefix in the request's tenant (a corrupt, stale or misplaced store)", first)
+
+
+def _job_names(loads: Iterable[LoadJob], stores: Iterable[StoreJob]) -> list[JobName]:
+    return [(False, job.request_id, job.offload_indices) for job in loads] + [
+        (True, job.request_id, job.offload_indices) for job in stores]
+
+
+def _describe(job: JobName) -> str:
+    is_store, request_id, indices = job
+    return f"the {'store' if is_store else 'load'} job of request {request_id!r}, offloaded blocks {list(indices)}"
+
+
+@check("CONN-STEP-4")
+def check_jobs_reported_once(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Every job reported finished is one the adapter created and has not reported finished before.
+
+    The step's new jobs count before its completions: a job may finish in the step that creates it.
+    """
+    in_flight = ctx.jobs_in_flight
+    in_flight.update(_job_names(sut.loads, sut.stores))
+    for job in _job_names(sut.completed_loads, sut.completed_stores):
+        ctx.exercise("CONN-STEP-4")
+        if not in_flight[job]:
+            raise ClauseViolation("CONN-STEP-4", f"{_describe(job)} was reported finished, but no such job was in "
+                                                 "flight: reported twice, or never created")
+        in_flight[job] -= 1
+        if not in_flight[job]:
+            del in_flight[job]
+
+
+@check("CONN-STEP-4", kind="drain")
+def check_jobs_all_reported(ctx: Context, usage, steps: int) -> None:
+    """Once drained, every job the adapter created has been reported finished (or discarded by a connector reset)."""
+    ctx.exercise("CONN-STEP-4")
+    if ctx.jobs_in_flight:
+        unreported = "; ".join(map(_describe, sorted(ctx.jobs_in_flight)))
+        raise ClauseViolation("CONN-STEP-4", f"after {steps} drain steps with every transfer completed, never reported "
+                                             f"finished: {unreported}")
 
 
 # The connector level's checks register themselves in CHECKS on import; its module needs this one first.

@@ -17,10 +17,10 @@ from typing import Any, Literal, Protocol
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.common.values import Capabilities, EngineConfig, RequestSpec, StepObservation
+from kvconform.common.values import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation, StoreSnapshot
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
-from kvconform.conformance.checks import ClauseViolation, Context, checks_of
+from kvconform.conformance.checks import ClauseViolation, Context, check_drained, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
 from kvconform.reference.engine import Engine
 from kvconform.reference.errors import InvalidCall
@@ -249,6 +249,8 @@ class Execution:
         actual = self.call("reset_prefix_cache", reset_connector)
         if self.oracle is None:
             return
+        if reset_connector:  # the jobs in flight are discarded: their completions are ignored, not reported (OFF-MGR-8)
+            self.ctx.jobs_in_flight.clear()
         self.judge(f"adapter.reset_prefix_cache({reset_connector!r})", "reset",
                    self.expect("reset_prefix_cache", reset_connector), actual)
 
@@ -267,8 +269,7 @@ class Execution:
             steps += 1
             usage = self.call("resource_usage")
         if self.oracle is not None:
-            for each in checks_of("drain"):
-                each.function(self.ctx, self.expect("resource_usage"), steps)
+            check_drained(self.ctx, self.expect("resource_usage"), steps)  # the reference drains too
             self.judge("adapter.resource_usage()", "drain", usage, steps)
         self.judge("adapter.resource_usage()", "connector-drain", usage, steps)
 
@@ -296,10 +297,22 @@ class Execution:
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
         """Judge a step at the offloading level: the adapter's observation and store against the reference's."""
         self.judge("adapter.step()", "step", expected, actual)
-        store = self.expect("store_contents")
-        self.judge("adapter.store_contents()", "store", store, self.call("store_contents"))
+        store, actual_store = self.expect("store_contents"), self.call("store_contents")
+        self.judge("adapter.store_contents()", "store", store, actual_store)
+        if self.capabilities.reads_stored_kv:
+            self.judge_stored_kv(actual, actual_store)
         self.ctx.previous_store = store
         self.ctx.previous_pinned = frozenset(self.oracle.engine.manager.pinned_keys())
+
+    def judge_stored_kv(self, observation: StepObservation, store: StoreSnapshot) -> None:
+        """Read the bytes of every block that a store completed in the step made readable, and judge them whether or
+        not a load ever reads them (XFER-DATA-3)."""
+        readable = self.ctx.identities(store.ready)
+        for job in observation.completed_stores:
+            for index in job.offload_indices:
+                block = BlockRef(request_id=job.request_id, index=index)
+                if self.ctx.identity(block) in readable:
+                    self.judge(f"adapter.stored_kv({block!r})", "stored-data", block, self.call("stored_kv", block))
 
     def judge_resident_kv(self) -> None:
         """Read the KV of every request that must hold its computed tokens' KV now, and judge its bytes at each level:

@@ -459,6 +459,15 @@ class Engine:
             raise InvalidCall("CONF-OBS-2", f"unknown request id {request_id!r}")
         return self.transfer.read_tokens(self.kv.blocks_of(request_id), request.num_computed_tokens)
 
+    def stored_kv(self, request_id: str, index: int) -> torch.Tensor:
+        """Return the bytes the store holds for offloaded block `index` of a request, which must be readable."""
+        request = self.requests.get(request_id)
+        keys = self.connector.offload_keys(request) if request is not None else []
+        block = self.manager.policy.get(keys[index]) if index < len(keys) else None
+        if block is None or not block.is_ready:
+            raise InvalidCall("CONF-OBS-2", f"offloaded block {index} of request {request_id!r} is not readable")
+        return self.transfer.read_store(block.slot)
+
     def in_flight_job_count(self) -> int:
         """Return the jobs the connector still waits for (LIFE-LEAK-1)."""
         return len(self.connector.jobs)

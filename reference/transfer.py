@@ -76,6 +76,10 @@ class TransferEngine:
         rows = self.gpu.index_select(0, self._index(gpu_blocks, self.device)).reshape(-1, self.gpu.shape[2])
         return rows[:num_tokens].cpu()
 
+    def read_store(self, slot: int) -> torch.Tensor:
+        """Return the KV rows of the offloaded block held at `slot`: its `factor` store rows, token after token."""
+        return self.store[slot * self.factor : (slot + 1) * self.factor].reshape(-1, self.store.shape[2]).clone()
+
     def _check_pairing(self, gpu_blocks: Sequence[int], rows: Sequence[int]) -> None:
         """One store row per GPU block, each in range; block 0 is the null block (XFER-COPY-1, PFX-NULL-1)."""
         if len(gpu_blocks) != len(rows):

@@ -29,3 +29,13 @@ def test_mutant_killed_with_its_clause(name: str) -> None:
     assert result.verdict == "killed", f"{name}: {result.verdict} ({result.failed_clause}: {result.message})"
     assert result.requests <= MAX_SHRUNK_REQUESTS, (f"{name}: the counterexample kept {result.requests} requests:\n"
                                                     f"{result.counterexample}")
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+@pytest.mark.parametrize("name", ["corrupts-at-rest", "store-reported-twice"])
+def test_data_at_rest_and_job_mutants_killed_in_each_scheduling_mode(name: str, scheduling: str) -> None:
+    """The ci profile drawing one scheduling mode only kills the mutant with its clause: the bytes at rest
+    (XFER-DATA-3) and the jobs reported once (CONN-STEP-4) are judged in sync and async scheduling alike."""
+    row = MUTANTS[name]
+    result = runner.run(row.adapter, name, "ci", scheduling=scheduling)
+    assert result.failed_clause in row.clauses, f"{name}, {scheduling}: {result.failed_clause} ({result.message})"

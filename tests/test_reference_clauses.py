@@ -18,7 +18,7 @@ from kvconform.common import kv_content
 from kvconform.common.values import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation
 from kvconform.conformance import runner
 from kvconform.conformance.checks import ClauseViolation, Context
-from kvconform.conformance.execution import Execution, Session
+from kvconform.conformance.execution import Call, Execution, Session
 from kvconform.conformance.machine import engine_configs
 from kvconform.conformance.profiles import PROFILES, Profile
 from kvconform.reference.connector import (
@@ -598,6 +598,20 @@ def test_connector_output_finishes_each_job_once(conn):
     assert c.manager.lookup(c.offload_keys(r)[2]) is True and c.jobs == {}
     with pytest.raises(KeyError):
         c.update_connector_output(ConnectorOutput({job_id: True}))
+
+
+def test_connector_reset_discards_the_jobs_in_flight():
+    """CONN-STEP-4: a connector reset discards the jobs in flight, whose completions are never reported; the kit does
+    not wait for them once drained (OFF-MGR-8)."""
+    execution = Execution(Session(ReferenceAdapter))
+    execution.begin()
+    for call in (Call("start", (EngineConfig(block_size_factor=1),)),
+                 Call("add_request", (RequestSpec(request_id="r", prompt=PROMPT),)), Call("step")):
+        execution.apply(call)
+    assert set(execution.ctx.jobs_in_flight) == {(True, "r", (0, 1, 2))}
+    execution.apply(Call("reset_prefix_cache", (True,)))
+    execution.apply(Call("drain"))
+    assert not execution.ctx.jobs_in_flight
 
 
 def test_store_offered_again_after_no_room(conn):

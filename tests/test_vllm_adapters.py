@@ -13,17 +13,20 @@ import json
 import os
 import re
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 from importlib import resources
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.vllm import install, lmcache, runtime, transfers
 from kvconform.cli import main
-from kvconform.common.values import VARIANTS, EngineConfig, RequestSpec
+from kvconform.common import kv_content
+from kvconform.common.values import VARIANTS, BlockRef, EngineConfig, LoadJob, RequestSpec, StoreJob
 from kvconform.conformance import baseline, options, runner, vectors
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Session, replay
@@ -222,6 +225,43 @@ def test_simple_cpu_skip_read_request(async_scheduling: bool) -> None:
     adapter.add_request(RequestSpec(request_id="skip", prompt=prompt, skip_reading_prefix_cache=True))
     lookups = adapter.step().lookups
     assert ("skip" in lookups) is not SEED_BUG_FIXED["simple-cpu"], lookups
+    adapter.close()
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("kind", ["offloading", "simple-cpu"])
+def test_white_box_reads_the_bytes_at_rest_and_reports_each_job_once(kind: str, async_scheduling: bool) -> None:
+    """XFER-DATA-3, CONN-STEP-4 on real vLLM: each block a completed store left readable reads back, through vLLM's own
+    index of its store, as the KV of its tokens; every load and store job is reported finished once. Run directly: the
+    state machine's examples on vllm-simple-cpu end at its known OFF-STORE-1 lag before any store completes."""
+    adapter = adapter_class(kind)()
+    adapter.start(EngineConfig(block_size=4, block_size_factor=1, num_gpu_blocks=32, num_offload_blocks=8,
+                               async_scheduling=async_scheduling, **variants(adapter)))
+    prompt = (0, 1, 2, 3, 1, 1) * 4
+    created, completed = Counter(), Counter()
+    stored: list[StoreJob] = []
+
+    def step_until_idle(request_id: str) -> None:
+        adapter.add_request(RequestSpec(request_id=request_id, prompt=prompt, max_tokens=3))
+        for _ in range(6):
+            adapter.complete_transfers(False, False)
+            observation = adapter.step()
+            created.update((*observation.loads, *observation.stores))
+            completed.update((*observation.completed_loads, *observation.completed_stores))
+            stored.extend(observation.completed_stores)
+
+    step_until_idle("fill")
+    assert adapter.reset_prefix_cache(False)
+    step_until_idle("hit")
+    assert stored and any(isinstance(job, LoadJob) for job in completed), (stored, completed)
+    assert completed == created
+    kv = kv_content.kv_values(kv_content.token_states(kv_content.initial_state(None, None), prompt), 8, torch.float16)
+    for job in stored:
+        for index in job.offload_indices:
+            assert torch.equal(adapter.stored_kv(BlockRef(request_id=job.request_id, index=index)),
+                               kv[4 * index : 4 * index + 4]), (job, index)
     adapter.close()
 
 

@@ -15,6 +15,8 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from kvconform.adapters.contract import ImplementationFailure
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, wrap
 from kvconform.adapters.vllm.transfers import HeldTransfers
@@ -37,7 +39,7 @@ class VllmOffloadingAdapter(VllmAdapter):
                             lookup_after_failed_load=(not self.skips_lookup_after_failed_load(),),
                             local_hit_after_failed_load=(not self.reports_failed_loads_by_request(),),
                             restart_offers_on_lookup=(self.restarts_offers_on_lookup(),),
-                            **self.base_capabilities())
+                            reads_stored_kv=True, **self.base_capabilities())
 
     def offers_at_finish(self) -> bool:
         """Return whether the connector offers a finished request's remaining blocks at the next step (OFF-STORE-6):
@@ -105,7 +107,7 @@ class VllmOffloadingAdapter(VllmAdapter):
         wrap(manager, "complete_load", self._record_complete_load)
         wrap(manager, "prepare_store", self._record_prepare_store)
         wrap(manager, "complete_store", self._record_complete_store)
-        wrap(manager, "reset_cache", lambda result: self.pins.clear())
+        wrap(manager, "reset_cache", self._forget_jobs_in_flight)
 
     # --- offload keys ------------------------------------------------------------------------------
 
@@ -150,12 +152,23 @@ class VllmOffloadingAdapter(VllmAdapter):
         self.store_jobs_by_id = {job_id: job for job_id, job in self.store_jobs_by_id.items() if job[0] != frozenset(keys)}
 
     def _completed_job(self, is_store: bool, keys: Any) -> LoadJob | StoreJob:
-        """Return, and forget, the oldest load or store in flight with these keys."""
-        waiting = self.jobs_in_flight_by_keys[is_store, frozenset(keys)]
+        """Return, and forget, the oldest load or store in flight with these keys; vLLM completing a job with keys that
+        no job in flight has (reported twice, or never created) is a failure of the implementation (CONN-STEP-4)."""
+        waiting = self.jobs_in_flight_by_keys.get((is_store, frozenset(keys)))
+        if not waiting:
+            refs = sorted((self.origin[key] for key in keys if key in self.origin), key=repr)
+            raise ImplementationFailure("CONN-STEP-4", f"the manager was asked to complete a "
+                                                       f"{'store' if is_store else 'load'} of {refs or 'unknown keys'} "
+                                                       "with no such job in flight")
         job = waiting.pop(0)
         if not waiting:
             del self.jobs_in_flight_by_keys[is_store, frozenset(keys)]
         return job
+
+    def _forget_jobs_in_flight(self, result: Any) -> None:
+        """A connector reset discards the jobs in flight, pins included: vLLM ignores their completions (OFF-MGR-8)."""
+        self.pins.clear()
+        self.jobs_in_flight_by_keys.clear()
 
     def _record_prepare_store(self, result: Any, keys: Any, context: Any) -> None:
         request_id = context.req_id
@@ -229,6 +242,16 @@ class VllmOffloadingAdapter(VllmAdapter):
             if found is not None:
                 (ready if found else storing).add(ref)
         return StoreSnapshot(ready=frozenset(ready), storing=frozenset(storing))
+
+    def stored_kv(self, block: BlockRef) -> torch.Tensor:
+        """Return the bytes at the CPU slot vLLM's manager holds the block's key in: its cache policy's `BlockStatus`
+        names the slot (`block_id` up to 0.24, `chunk_id` from 0.32) that the transfers wrote (XFER-DATA-3)."""
+        status = self.manager._policy.get(self.keys_of(block.request_id)[block.index])
+        if status is None or not status.is_ready:
+            raise ValueError(f"vLLM's CPU manager holds no readable block for {block!r}")
+        slot = status.block_id if hasattr(status, "block_id") else status.chunk_id
+        factor = self.config.block_size_factor
+        return self.kv_tensors.read_store(slot * factor, factor)
 
     def pinned_offload_blocks(self) -> int:
         return sum(1 for count in self.pins.values() if count > 0)

@@ -11,12 +11,15 @@ with the adapter's own torch copies (`transfers.KVTensors`) when the harness com
 Observations: lookups are the CPU pool's `get_cached_block` calls while the connector answers
 `get_num_new_matched_tokens`; loads are the connector's load transfers (`_reqs_to_load`); the blocks the
 eager store walks past in a step are its offers, those it allocates CPU blocks for are its stores;
-evictions are the CPU pool's evicted cached blocks.
+evictions are the CPU pool's evicted cached blocks; a load completes when its request leaves `_reqs_to_load`
+and a store when its event leaves `_store_event_to_blocks` as the connector processes the worker's output.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, wrap
 from kvconform.adapters.vllm.transfers import Copy, HeldTransfers
@@ -139,7 +142,7 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
         shared = {**self.base_capabilities(), "reset_connector": hasattr(SimpleCPUOffloadScheduler, "reset")}
-        return Capabilities(async_scheduling=True, **self.seam.capabilities(),
+        return Capabilities(async_scheduling=True, reads_stored_kv=True, **self.seam.capabilities(),
                             offer_at_finish=(hasattr(SimpleCPUOffloadScheduler, "_queue_finished_eager_store"),),
                             **shared)
 
@@ -155,6 +158,9 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         finished request's last blocks at the next step, when the manager no longer tracks the request."""
         self.finish_offers: list[StoreJob] = []
         """Blocks queued at a request's finish, offered (and stored) with the next step's store event."""
+        self.loads_in_flight: dict[str, LoadJob] = {}
+        self.store_jobs: dict[int, list[StoreJob]] = {}
+        """The store jobs of each store event, one per request whose blocks it writes."""
         original = self.manager.get_num_new_matched_tokens
 
         def answering(request: Any, num_computed_tokens: int) -> Any:
@@ -193,6 +199,18 @@ class VllmSimpleCPUAdapter(VllmAdapter):
             return result
 
         self.manager.request_finished_all_groups = finishing
+        original_update = self.manager.update_connector_output
+
+        def updating(connector_output: Any) -> None:
+            manager = self.manager
+            loading, storing = set(manager._reqs_to_load), set(manager._store_event_to_blocks)
+            original_update(connector_output)
+            self.record["completed_loads"] += [self.loads_in_flight.pop(request_id)
+                                               for request_id in sorted(loading - manager._reqs_to_load.keys())]
+            self.record["completed_stores"] += [job for event in sorted(storing - manager._store_event_to_blocks.keys())
+                                                for job in self.store_jobs.pop(event)]
+
+        self.manager.update_connector_output = updating
         wrap(self.cpu_pool, "get_cached_block", self._record_lookup)
         original_evict = self.cpu_pool._maybe_evict_cached_block
 
@@ -211,7 +229,8 @@ class VllmSimpleCPUAdapter(VllmAdapter):
 
     @staticmethod
     def empty_record() -> dict[str, Any]:
-        return {"lookups": {}, "loads": [], "offers": [], "stores": [], "evicted": []}
+        return {"lookups": {}, "loads": [], "offers": [], "stores": [], "evicted": [], "completed_loads": [],
+                "completed_stores": []}
 
     @staticmethod
     def plain_hash(key: Any) -> bytes:
@@ -231,8 +250,10 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         for request_id in meta.load_event_to_reqs.get(meta.load_event, ()) if meta.load_event >= 0 else ():
             gpu_blocks = self.manager._reqs_to_load[request_id].transfer_meta.gpu_block_ids
             positions = [self.block_ids(request_id).index(block) for block in gpu_blocks]
-            record["loads"].append(LoadJob(request_id=request_id, offload_indices=tuple(positions),
-                                           first_gpu_block=positions[0], num_gpu_blocks=len(positions)))
+            load = LoadJob(request_id=request_id, offload_indices=tuple(positions), first_gpu_block=positions[0],
+                           num_gpu_blocks=len(positions))
+            record["loads"].append(load)
+            self.loads_in_flight[request_id] = load
             self.transfers.issue(2 * meta.load_event + LOAD, False, gpu_blocks)
         if meta.store_event >= 0:
             refs = self.store_refs(meta.store_gpu_blocks)
@@ -241,7 +262,9 @@ class VllmSimpleCPUAdapter(VllmAdapter):
             by_request: dict[str, list[int]] = {}
             for ref in refs:
                 by_request.setdefault(ref.request_id, []).append(ref.index)
-            record["stores"] += [StoreJob(request_id=r, offload_indices=tuple(i)) for r, i in by_request.items()]
+            self.store_jobs[meta.store_event] = [StoreJob(request_id=r, offload_indices=tuple(i))
+                                                 for r, i in by_request.items()]
+            record["stores"] += self.store_jobs[meta.store_event]
             self.storing[meta.store_event] = refs
             self.transfers.issue(2 * meta.store_event + STORE, True, meta.store_gpu_blocks)
 
@@ -264,13 +287,21 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         record, self.record = self.record, self.empty_record()
         observation.update(lookups={r: tuple(i) for r, i in record["lookups"].items()}, loads=tuple(record["loads"]),
                            store_offers=tuple(record["offers"]), stores=tuple(record["stores"]),
-                           evicted=tuple(record["evicted"]))
+                           evicted=tuple(record["evicted"]), completed_loads=tuple(record["completed_loads"]),
+                           completed_stores=tuple(record["completed_stores"]))
 
     def store_contents(self) -> StoreSnapshot:
         cached = {self.plain_hash(key) for key in self.cpu_pool.cached_block_hash_to_block._cache}
         ready = {self.origin[block_hash] for block_hash in cached}
         storing = {ref for event in self.manager._store_event_to_blocks for ref in self.storing[event]} - ready
         return StoreSnapshot(ready=frozenset(ready), storing=frozenset(storing))
+
+    def stored_kv(self, block: BlockRef) -> torch.Tensor:
+        """Return the bytes of the CPU block that vLLM's CPU block pool caches under the block's hash (XFER-DATA-3)."""
+        cached = self.cpu_pool.get_cached_block(self.requests[block.request_id].block_hashes[block.index], [0])
+        if cached is None:
+            raise ValueError(f"vLLM's CPU block pool caches no block for {block!r}")
+        return self.kv_tensors.read_store(cached[0].block_id, 1)
 
     def pinned_offload_blocks(self) -> int:
         return len({block for state in self.manager._reqs_to_load.values()

@@ -61,6 +61,10 @@ class KVTensors:
         """Return the KV rows `[num_tokens, token_width]` of a request's first tokens, from their slots."""
         return self.gpu.view(-1, self.gpu.shape[2])[self.slots(gpu_blocks, 0, num_tokens)]
 
+    def read_store(self, first_row: int, num_rows: int) -> torch.Tensor:
+        """Return the KV rows `[num_rows * block_size, token_width]` the store tensor holds from `first_row` on."""
+        return self.cpu[first_row : first_row + num_rows].reshape(-1, self.cpu.shape[2]).clone()
+
     def copy(self, copy: Copy) -> None:
         """Copy GPU blocks into store rows (a store) or store rows into GPU blocks (a load), pair by pair."""
         gpu_blocks = torch.tensor(copy.gpu_blocks, dtype=torch.int64)

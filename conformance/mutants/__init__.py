@@ -190,6 +190,27 @@ class FreesWhileStoringConnector(OffloadConnectorScheduler):
         return None
 
 
+# --- job reports --------------------------------------------------------------------------------
+
+
+class CompletesStoresTwiceConnector(OffloadConnectorScheduler):
+    """Each finished store is completed in the manager once more at the next step, as if a second report of the same
+    job were taken for another one (vLLM's scheduler side counts a job's reports, `pending_count`). The store does not
+    notice: the blocks are readable already."""
+
+    def __init__(self, manager, config, recorder):
+        super().__init__(manager, config, recorder)
+        self.completed_last_step = []
+
+    def update_connector_output(self, output):
+        again = [job for job in self.completed_last_step if job.job_id >= self.stale_job_threshold]
+        self.completed_last_step = [self.jobs[job_id] for job_id in output.finished_jobs if self.jobs[job_id].is_store]
+        for job in again:
+            self.manager.complete_store(job.keys, True)
+            self.recorder.completed_stores.append((job.request_id, job.offload_indices))
+        return super().update_connector_output(output)
+
+
 # --- the store and the worker ------------------------------------------------------------------
 
 
@@ -335,6 +356,27 @@ class CorruptingStoreWorker(OffloadConnectorWorker):
         super().copy(job)
         if job.is_store:
             self.transfer.store[job.rows, 0, 0] += 1
+
+
+class CorruptsAtRestWorker(OffloadConnectorWorker):
+    """A store writes its blocks whole into a staging copy, which every load reads, and with one KV element changed
+    into the store itself: the bytes at rest are wrong, yet no load ever brings them back (data at rest)."""
+
+    def __init__(self, transfer):
+        super().__init__(transfer)
+        self.staging = transfer.store.clone()
+
+    def copy(self, job):
+        if job.is_store:
+            super().copy(job)
+            self.staging[job.rows] = self.transfer.store[job.rows]
+            self.transfer.store[job.rows, 0, 0] += 1
+            return
+        store, self.transfer.store = self.transfer.store, self.staging
+        try:
+            super().copy(job)
+        finally:
+            self.transfer.store = store
 
 
 # --- the engine --------------------------------------------------------------------------------
@@ -562,7 +604,7 @@ MUTANTS = {
     "skip-returns-early": row(SkipReturnsEarlyConnector, "PR #44592 (first draft)", "OFF-READ-3"),
     "stores-not-flushed-on-preemption": row(NoFlushOnPreemptionConnector, "#29870",
                                             "LIFE-FREE-2", "OFF-MGR-1", "XFER-SAFE-1"),
-    "store-before-compute": row(StoreBeforeComputeWorker, "#31341", "XFER-DATA-1"),
+    "store-before-compute": row(StoreBeforeComputeWorker, "#31341", "XFER-DATA-3", "XFER-DATA-1"),
     "load-offset-ignored": row(LoadOffsetIgnoredConnector, "#28951", "XFER-DATA-1"),
     "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3", "OFF-LRU-1", "OFF-ARC-1"),
     "reset-keeps-store": row(ResetKeepsStoreManager, "OffloadingManager.reset contract", "OFF-MGR-8",
@@ -595,7 +637,9 @@ MUTANTS = {
     "answers-during-transfers": row(AnswersDuringTransfersConnector, "offloading scheduler contract", "CONN-MATCH-4"),
     "hit-while-loading": row(HitWhileLoadingConnector, "offloading scheduler contract", "OFF-LOOKUP-4"),
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
-    "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-1"),
+    "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-3", "XFER-DATA-1"),
+    "corrupts-at-rest": row(CorruptsAtRestWorker, "data at rest", "XFER-DATA-3"),
+    "store-reported-twice": row(CompletesStoresTwiceConnector, "offloading scheduler contract", "CONN-STEP-4"),
     "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),
     "leaks-block-on-abort": row(LeaksBlockOnAbortEngine, "no leaks",
                                 "LIFE-LEAK-1", "PFX-RESET-1", "SCHED-STEP-2", "OFF-MGR-1"),
