@@ -442,6 +442,50 @@ class LeaksBlockOnAbortEngine(Engine):
         super().abort(request_id)
 
 
+class IgnoresTokenBudgetEngine(Engine):
+    """The step's token budget is not enforced: every request is scheduled all the tokens it has left at once."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config.model_copy(update={"max_num_batched_tokens": 1 << 30}), device)
+
+
+class PreemptsOldestEngine(Engine):
+    """A running request short of blocks preempts the oldest running request the step has not scheduled yet, instead
+    of the newest."""
+
+    def _allocate_or_preempt(self, request, num_new, preempted, followed):
+        while (new_blocks := self.kv.allocate_slots(request, num_new, [], 0, delay_caching=False)) is None:
+            victim = self.running[self.running.index(request) + 1] if request is not self.running[-1] else request
+            self._preempt_victim(victim, preempted)
+            if victim is request:
+                return None
+        return new_blocks
+
+
+class AdmitsFirstChunkOnlyEngine(Engine):
+    """A waiting request is admitted when its first chunk fits, not its full sequence (vLLM's
+    `scheduler_reserve_full_isl=False`): under chunked prefill running requests then preempt each other."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device)
+        self.kv = FirstChunkKVCacheManager(config.num_gpu_blocks, config.block_size)
+
+
+class FirstChunkKVCacheManager(KVCacheManager):
+    """Admission asks for no blocks beyond those allocate_slots takes for the tokens scheduled now, where it must
+    ask for the full sequence's (SCHED-ADMIT-1)."""
+
+    def blocks_to_allocate(self, request, num_tokens, computed_blocks):
+        return 0
+
+
+class NullBlockCountedEngine(Engine):
+    """The pool is sized as if the null block were not one of `num_gpu_blocks`: one block more than the engine has."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config.model_copy(update={"num_gpu_blocks": config.num_gpu_blocks + 1}), device)
+
+
 # --- the connector level: black-box faults, seen only through the public connector API ------------------
 
 
@@ -601,6 +645,11 @@ MUTANTS = {
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
     "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-1"),
     "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),
+    "ignores-token-budget": row(IgnoresTokenBudgetEngine, "scheduler contract", "SCHED-STEP-2"),
+    "preempts-oldest-unscheduled": row(PreemptsOldestEngine, "scheduler contract", "SCHED-PREEMPT-1", "PFX-HIT-1"),
+    "admits-first-chunk-only": row(AdmitsFirstChunkOnlyEngine, "scheduler_reserve_full_isl", "SCHED-ADMIT-1",
+                                   "SCHED-ALLOC-1"),
+    "null-block-counted": row(NullBlockCountedEngine, "block_pool.py contract", "SCHED-ALLOC-1", "SCHED-ADMIT-1"),
     "leaks-block-on-abort": row(LeaksBlockOnAbortEngine, "no leaks",
                                 "LIFE-LEAK-1", "PFX-RESET-1", "SCHED-STEP-2", "OFF-MGR-1"),
     # the connector level, black box: only what crosses the public connector API and the bytes are seen
