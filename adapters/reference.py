@@ -19,6 +19,7 @@ from kvconform.adapters.contract import (
     StoreSnapshot,
     TransferOutcome,
 )
+from kvconform.reference.connector import NO_DEVIATIONS, KnownDeviations
 from kvconform.reference.engine import Engine, FollowedSchedule, StepResult
 
 
@@ -49,12 +50,12 @@ class ReferenceAdapter(KVConnectorAdapter):
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
         return self.step_following(None, complete_transfers)
 
-    def step_following(self, followed: FollowedSchedule | None,
-                       complete_transfers: TransferOutcome | None = None) -> StepObservation:
-        """Run one step that schedules as `followed` says (the reference judging another engine), or by its own
-        policy."""
+    def step_following(self, followed: FollowedSchedule | None, complete_transfers: TransferOutcome | None = None,
+                       deviations: KnownDeviations = NO_DEVIATIONS) -> StepObservation:
+        """Run one step that schedules as `followed` says and takes the known `deviations` (the reference judging
+        another engine), or by its own policy."""
         outcome = None if complete_transfers is None else (complete_transfers.fail_loads, complete_transfers.fail_stores)
-        return self.observe(self.engine.step(outcome, followed))
+        return self.observe(self.engine.step(outcome, followed, deviations))
 
     def observe(self, result: StepResult) -> StepObservation:
         """Translate a reference step into the contract's vocabulary.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from kvconform.adapters.contract import (
+    BlockRef,
     Capabilities,
     EngineConfig,
     ImplementationFailure,
@@ -29,6 +30,7 @@ from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Context, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
+from kvconform.reference.connector import KnownDeviations
 from kvconform.reference.engine import Engine, FollowedSchedule
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.request import RequestStatus
@@ -110,6 +112,8 @@ class Session:
     """The example, counted from 1, in which a clause first failed."""
     rules: int = 0
     steps: int = 0
+    steps_after_known_failure: int = 0
+    """Steps judged, in all examples, after a known failure of their example was followed (CONF-RUN-2)."""
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
     checks_seconds: float = 0.0
@@ -133,6 +137,8 @@ class Execution:
         self.capabilities = Capabilities()
         self.program: list[Call] = []
         self.failed = False
+        self.deviated = False
+        """Whether a known deviation of the adapter was followed earlier in this example."""
 
     # --- the engines -------------------------------------------------------------------------
 
@@ -225,6 +231,7 @@ class Execution:
     def _step(self) -> None:
         actual = self.call("step")
         self.session.steps += 1
+        self.session.steps_after_known_failure += self.deviated
         if self.oracle is not None:  # the deeper level first: its failures name the block and the cause
             self.compare_step(self.follow(actual), actual)
         self.judge("adapter.step()", "connector", actual)
@@ -298,9 +305,17 @@ class Execution:
             self.session.checks_seconds += time.perf_counter() - started
 
     def follow(self, actual: StepObservation) -> StepObservation:
-        """Step the reference as the adapter scheduled, and return what the reference observes."""
+        """Step the reference as the adapter scheduled, taking the adapter's choices where the run knows it deviates,
+        and return what the reference observes; each deviation taken is recorded as its known failure (CONF-RUN-2)."""
         self.ctx.followed = schedule_of(actual, [request.request_id for request in self.oracle.engine.running])
-        return self.expect("step_following", self.ctx.followed)
+        expected = self.expect("step_following", self.ctx.followed, None,
+                               deviations_of(actual, self.session.baseline.entries.keys(), self.ctx.identity))
+        for clause, what in self.oracle.engine.adopted:
+            violation = ClauseViolation(clause, f"adapter.step(): {what}")
+            if not self.session.baseline.tolerates(violation):
+                raise violation
+            self.deviated = True
+        return expected
 
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
         """Judge a step at the offloading level: the adapter's observation and store against the reference's."""
@@ -335,6 +350,24 @@ class EngineState(Protocol):
     def transfers_pending(self) -> bool: ...
     def resident(self) -> list[str]: ...
     def busy(self) -> bool: ...
+
+
+DEVIATIONS_FOLLOWED = {"lookups": {"OFF-LOOKUP-1"}, "offers": {"OFF-STORE-1"}, "victims": {"OFF-LRU-1", "OFF-ARC-1"}}
+"""Which adapter choices the reference takes in place of its own, and the known failures that make it take them."""
+
+
+def deviations_of(observation: StepObservation, known: Collection[str],
+                  identity: Callable[[BlockRef], bytes]) -> KnownDeviations:
+    """Return the adapter's choices in a step that the reference takes where the run lists their clause as a known
+    failure (`DEVIATIONS_FOLLOWED`), so that the example goes on past them (CONF-RUN-2)."""
+    follows = {choice for choice, clauses in DEVIATIONS_FOLLOWED.items() if clauses & set(known)}
+    return KnownDeviations(
+        lookups={a.request_id: observation.lookups.get(a.request_id, ()) for a in observation.match_answers}
+        if "lookups" in follows else None,
+        offers={offer.request_id: offer.offload_indices for offer in observation.store_offers}
+        if "offers" in follows else None,
+        victims={offer.request_id: tuple(map(identity, offer.evicted)) for offer in observation.store_offers}
+        if "victims" in follows else None)
 
 
 def schedule_of(observation: StepObservation, running: Collection[str]) -> FollowedSchedule:

@@ -19,7 +19,9 @@ import torch
 from kvconform.adapters.contract import EngineConfig, RequestSpec
 from kvconform.reference import kv_content
 from kvconform.reference.connector import (
+    NO_DEVIATIONS,
     ConnectorOutput,
+    KnownDeviations,
     OffloadConnectorScheduler,
     OffloadConnectorWorker,
     SchedulerOutput,
@@ -113,6 +115,8 @@ class Engine:
         """The requests running when the latest step began scheduling, in order (SCHED-ORDER-1)."""
         self.refused: list[tuple[str, str]] = []
         """What the latest step's followed schedule asked that the free blocks did not allow: (clause, why)."""
+        self.adopted: list[tuple[str, str]] = []
+        """The known deviations of the followed engine the latest step took in place of its own choice: (clause, what)."""
         self.delayed_free: set[str] = set()
         self.preempted_since_schedule: set[str] = set()
         self.inflight_prefills: set[str] = set()
@@ -207,13 +211,14 @@ class Engine:
 
     # --- the step -----------------------------------------------------------------------
 
-    def step(self, complete_in_step: tuple[bool, bool] | None = None,
-             followed: FollowedSchedule | None = None) -> StepResult:
+    def step(self, complete_in_step: tuple[bool, bool] | None = None, followed: FollowedSchedule | None = None,
+             deviations: KnownDeviations = NO_DEVIATIONS) -> StepResult:
         """Run one engine step (SCHED-STEP-1); an engine without work only processes the batch in flight.
 
         With `complete_in_step` (whether loads fail, whether stores fail), the jobs in flight finish after the step's
         stores are submitted, before the worker reports its finished jobs: they are reported in this step
-        (CONN-STEP-4). With `followed`, the step schedules as another engine's scheduler did."""
+        (CONN-STEP-4). With `followed`, the step schedules as another engine's scheduler did, and its connector and
+        store take that engine's `deviations`."""
         scheduled: dict[str, int] = {}
         writes: set[int] = set()
         reads_in_flight: set[int] = set()
@@ -221,12 +226,12 @@ class Engine:
         self.resumed, self.refused = [], []
         if self.has_work():
             preempted_before = set(self.preempted_since_schedule)
-            output = self._schedule(followed)
+            output = self._schedule(followed, deviations)
             preempted = output.preempted_request_ids - preempted_before
             if self.config.async_scheduling and output.num_scheduled_tokens:
                 self.scheduled_steps += 1
                 self.last_scheduled.update(dict.fromkeys(output.num_scheduled_tokens, self.scheduled_steps))
-            meta = self.connector.build_connector_meta(output)
+            meta = self.connector.build_connector_meta(output, deviations)
             start_positions = self._advance(output)
             self.worker.start_load_kv(meta)
             reads_in_flight = self.worker.store_sources_in_flight()
@@ -242,6 +247,7 @@ class Engine:
         result = StepResult(scheduled, self._computed_tokens(), self.recorder.take(), self._step_finished,
                             self._step_freed, writes, reads_in_flight, self._step_reports, preempted)
         self._step_finished, self._step_freed, self._step_reports = [], [], ConnectorReports()
+        self.adopted = result.trace.adopted
         return result
 
     def has_work(self) -> bool:
@@ -262,7 +268,7 @@ class Engine:
     def _computed_tokens(self) -> dict[str, int]:
         return {r.request_id: r.num_computed_tokens for r in (*self.waiting, *self.running)}
 
-    def _schedule(self, followed: FollowedSchedule | None) -> SchedulerOutput:
+    def _schedule(self, followed: FollowedSchedule | None, deviations: KnownDeviations) -> SchedulerOutput:
         """Schedule running requests first, then waiting ones, within the token budget (SCHED-ORDER-1)."""
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -288,7 +294,7 @@ class Engine:
             for request in [r for r in reversed(self.running) if r.request_id in followed.preempted]:
                 self._preempt_victim(request, preempted)
         if followed is not None or not preempted:
-            budget = self._schedule_waiting(budget, scheduled, allocated, first_run, followed)
+            budget = self._schedule_waiting(budget, scheduled, allocated, first_run, followed, deviations)
         finished, self.finished_since_schedule = self.finished_since_schedule, []
         return SchedulerOutput(scheduled, {rid: self.requests[rid] for rid in scheduled},
                                {rid: list(self.kv.blocks_of(rid)) for rid in scheduled}, allocated, preempted, finished,
@@ -329,7 +335,7 @@ class Engine:
         self.preempted_since_schedule.discard(victim.request_id)
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int],
-                          first_run: set[int], followed: FollowedSchedule | None) -> int:
+                          first_run: set[int], followed: FollowedSchedule | None, deviations: KnownDeviations) -> int:
         """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1);
         following, those the followed scheduler considered, in its order, admitting those it admitted."""
         self.order_waiting()
@@ -352,7 +358,7 @@ class Engine:
             load_async = False
             if request.num_computed_tokens == 0:
                 local_blocks, num_local = self.kv.get_computed_blocks(request)
-                answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local, deviations)
                 self.recorder.answers.append((request.request_id, num_local, answer, load_async))
                 if answer is None:
                     if self.config.deferred_first:

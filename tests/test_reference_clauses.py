@@ -388,11 +388,11 @@ def test_arc_evicts_t1_first_into_ghost():
 
 
 def test_arc_evict_is_atomic():
-    """OFF-ARC-4: an eviction that cannot find enough idle victims returns None and changes nothing."""
+    """OFF-ARC-4: an eviction that cannot find enough idle victims evicts nothing."""
     manager = OffloadManager(2, "arc")
     stored(manager, K[0], K[1])
     policy = manager.policy
-    assert policy.evict(2, protected={K[1]}) is None
+    assert policy.choose(2, protected={K[1]}) is None
     assert list(policy.t1) == [K[0], K[1]] and not policy.b1
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvconform.adapters.contract import Capabilities, SpecLevel
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
+from kvconform.reference.connector import NO_DEVIATIONS, OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
 from kvconform.reference.hashing import block_hashes
 from kvconform.reference.kv_cache import BlockPool, KVCacheManager
@@ -28,7 +28,7 @@ from kvconform.reference.request import RequestStatus
 class SkipFlagIgnoredConnector(OffloadConnectorScheduler):
     """vLLM #44585 (fixed by PR #44592): skip_reading_prefix_cache ignored; the prefix is looked up and loaded."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, deviations=NO_DEVIATIONS):
         state = self.states[request.request_id]
         if state.transfer_jobs:
             return None, False
@@ -41,11 +41,11 @@ class SkipFlagIgnoredConnector(OffloadConnectorScheduler):
 class SkipReturnsEarlyConnector(OffloadConnectorScheduler):
     """PR #44592's rejected first draft: return (0, False) before tracking, so nothing is ever stored."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, deviations=NO_DEVIATIONS):
         if request.skip_reading_prefix_cache:
             self.states.pop(request.request_id, None)
             return 0, False
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens, deviations)
 
 
 # --- connector decisions ---------------------------------------------------------------------
@@ -54,8 +54,8 @@ class SkipReturnsEarlyConnector(OffloadConnectorScheduler):
 class AsyncFlagOnZeroConnector(OffloadConnectorScheduler):
     """Answers load_async=True together with 0 tokens (base.py: the flag MUST be False when the count is 0)."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        hits, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, deviations=NO_DEVIATIONS):
+        hits, _ = super().get_num_new_matched_tokens(request, num_computed_tokens, deviations)
         return hits, hits is not None
 
 
@@ -72,11 +72,11 @@ class AnswersDuringTransfersConnector(OffloadConnectorScheduler):
     """A request that still has transfer jobs in flight — a preempted request's stores — is looked up and answered
     at once instead of deferred (None) until they end."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, deviations=NO_DEVIATIONS):
         state = self.states[request.request_id]
         in_flight, state.transfer_jobs = state.transfer_jobs, set()
         try:
-            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+            return super().get_num_new_matched_tokens(request, num_computed_tokens, deviations)
         finally:
             state.transfer_jobs |= in_flight
 
@@ -175,7 +175,7 @@ class NoFlushOnPreemptionConnector(OffloadConnectorScheduler):
     step after the preemption, the mutant still storing (OFF-MGR-1); once the blocks are reused, XFER-SAFE-1.
     """
 
-    def build_connector_meta(self, output):
+    def build_connector_meta(self, output, deviations=NO_DEVIATIONS):
         output.preempted_request_ids = set()
         return super().build_connector_meta(output)
 
@@ -202,8 +202,8 @@ class EvictsKeptKeysManager(OffloadManager):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        evict = self.policy.evict
-        self.policy.evict = lambda count, protected: evict(count, set())
+        choose = self.policy.choose
+        self.policy.choose = lambda count, protected: choose(count, set())
 
 
 class TouchIgnoredLRUPolicy(LRUPolicy):
@@ -227,10 +227,10 @@ class PinIgnoredLRUPolicy(LRUPolicy):
 class SwappedListsARCPolicy(ARCPolicy):
     """ARC that takes its victims from the frequency list T2 while T1 is at or above its target (lists swapped)."""
 
-    def evict(self, count, protected):
+    def choose(self, count, protected):
         self.t1, self.t2 = self.t2, self.t1
         try:
-            return super().evict(count, protected)
+            return super().choose(count, protected)
         finally:
             self.t1, self.t2 = self.t2, self.t1
 
