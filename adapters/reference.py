@@ -21,7 +21,8 @@ from kvconform.common.values import (
     StoreSnapshot,
     TransferOutcome,
 )
-from kvconform.reference.engine import Engine, StepResult
+from kvconform.reference.connector import NO_DEVIATIONS, KnownDeviations
+from kvconform.reference.engine import Engine, FollowedSchedule, StepResult
 
 
 class ReferenceAdapter(KVConnectorAdapter):
@@ -51,8 +52,14 @@ class ReferenceAdapter(KVConnectorAdapter):
         self.engine.add_request(request)
 
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
+        return self.step_following(None, complete_transfers)
+
+    def step_following(self, followed: FollowedSchedule | None, complete_transfers: TransferOutcome | None = None,
+                       deviations: KnownDeviations = NO_DEVIATIONS) -> StepObservation:
+        """Run one step that schedules as `followed` says and takes the known `deviations` (the reference judging
+        another engine), or by its own policy."""
         outcome = None if complete_transfers is None else (complete_transfers.fail_loads, complete_transfers.fail_stores)
-        return self.observe(self.engine.step(outcome))
+        return self.observe(self.engine.step(outcome, followed, deviations))
 
     def observe(self, result: StepResult) -> StepObservation:
         """Translate a reference step into the contract's vocabulary.
@@ -82,6 +89,7 @@ class ReferenceAdapter(KVConnectorAdapter):
             flushed_stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
                                  for r, i in trace.flushed_stores),
             touches=tuple(BlockRef.model_construct(request_id=r, index=i) for r, i in trace.touches),
+            preempted=tuple(sorted(result.preempted)),
             finished=tuple(result.finished),
             freed=tuple(result.freed),
             forward_writes=frozenset(result.forward_writes),

@@ -117,6 +117,8 @@ class StepObservation(_Frozen):
     store_offers: tuple[StoreJob, ...] = Field((), description="blocks offered to prepare_store, per request (OFF-STORE-1)")
     stores: tuple[StoreJob, ...] = Field((), description="blocks prepare_store chose to write: the store jobs (OFF-STORE-3)")
     evicted: tuple[BlockRef, ...] = Field((), description="blocks the store evicted in this step (OFF-LRU-1, OFF-ARC-1)")
+    preempted: tuple[str, ...] = Field((), description="running requests the scheduler preempted in this step to make "
+                                                       "room (SCHED-PREEMPT-1)")
     finished: tuple[str, ...] = Field((), description="requests that finished in this step (LIFE-FIN-1)")
     freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
     forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")

@@ -26,7 +26,7 @@ from kvconform.common.values import (
     StoreJob,
     StoreSnapshot,
 )
-from kvconform.reference.engine import Engine
+from kvconform.reference.engine import Engine, FollowedSchedule
 from kvconform.reference.kv_cache import NULL_BLOCK_ID
 from kvconform.reference.request import Request
 
@@ -90,6 +90,8 @@ class Context:
     config: EngineConfig
     requests: dict[str, RequestSpec]
     oracle: Engine
+    followed: FollowedSchedule | None = None
+    """The adapter's scheduling choices in the step being judged, which the oracle followed."""
     previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
     previous_pinned: frozenset[bytes] = frozenset()
     """The blocks, by identity, that loads still read at the end of the previous step (OFF-MGR-3)."""
@@ -329,52 +331,68 @@ def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObser
 # --- differential comparisons: the connector's lookups and answers, the schedule, then its consequences
 
 
+@check("SCHED-PREEMPT-1")
+def check_preemption_victims(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """The scheduler preempts the most recently admitted running requests: those it preempted are the last ones
+    running when the step began."""
+    if not sut.preempted:
+        return
+    ctx.exercise("SCHED-PREEMPT-1")
+    running = ctx.oracle.running_at_schedule
+    newest = running[len(running) - len(sut.preempted):]
+    if set(sut.preempted) != set(newest):
+        raise ClauseViolation("SCHED-PREEMPT-1", f"preempted {sorted(sut.preempted)}, where the newest running "
+                                                 f"requests are {newest} (running in the order {running})")
+
+
+@check("SCHED-ALLOC-1", "SCHED-ADMIT-1")
+def check_schedule_held(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Every request the adapter scheduled or admitted had its blocks in the free pool: the reference, scheduling
+    alike, could allocate them; an admission, for the request's full sequence."""
+    if sut.scheduled_tokens:
+        ctx.exercise("SCHED-ALLOC-1")
+    if ctx.followed.admitted:
+        ctx.exercise("SCHED-ADMIT-1")
+    for clause, why in ctx.oracle.refused:
+        raise ClauseViolation(clause, why)
+
+
 @check("SCHED-ORDER-1")
-def check_schedule_order(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """The requests both engines scheduled are scheduled in the reference's order.
-
-    Compared first: the order in which the scheduler considers requests decides what the later ones find in
-    the prefix cache, so a wrong order shows next in the connector's answers.
-    """
-    both = ref.scheduled_tokens.keys() & sut.scheduled_tokens.keys()
-    if len(both) > 1:
-        ctx.exercise("SCHED-ORDER-1")
-    _differ("SCHED-ORDER-1", "order of the requests both engines scheduled",
-            [r for r in ref.scheduled_tokens if r in both], [r for r in sut.scheduled_tokens if r in both])
-
-
-@check("SCHED-ORDER-1")
-def check_block_holders_run(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """Waiting requests holding GPU blocks come first: each the reference ran, the adapter ran before the other
-    waiting requests; past one the reference could not admit, the adapter considered no other.
-
-    The order among the requests both scheduled does not show an adapter that passed such a request over: it may
-    schedule it after a request the reference left waiting, not at all, or ask a request the reference never
-    reached.
-    """
-    still_waiting = {request.request_id for request in ctx.oracle.waiting}
+def check_running_first(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """Running requests are scheduled before waiting ones, and no waiting request is admitted in a step that
+    preempted one."""
+    running = set(ctx.oracle.running_at_schedule)
     scheduled = list(sut.scheduled_tokens)
-    for request_id in ctx.oracle.resumed:
+    admitted = sorted(ctx.followed.admitted)
+    if running and admitted:
         ctx.exercise("SCHED-ORDER-1")
-        if request_id not in scheduled:
-            passed_over = "did not schedule it"
-        else:
-            ahead = [r for r in scheduled[: scheduled.index(request_id)] if r in still_waiting]
-            if not ahead:
-                continue
-            passed_over = f"scheduled {ahead} before it"
-        raise ClauseViolation("SCHED-ORDER-1", f"{request_id!r} waited holding GPU blocks until its load ended, so it "
-                                               f"comes before every other waiting request: the reference scheduled "
-                                               f"it, the adapter {passed_over}")
-    stalled = ctx.oracle.stalled_holder
-    if stalled is not None:
-        reached = {a.request_id for a in ref.match_answers} | ref.scheduled_tokens.keys()
-        went_on = sorted(({a.request_id for a in sut.match_answers} | sut.scheduled_tokens.keys())
-                         & still_waiting - reached)
-        if went_on:
-            raise ClauseViolation("SCHED-ORDER-1", f"{stalled!r} holds GPU blocks and could not be admitted, which ends "
-                                                   f"admission for the step: the reference stopped there, the adapter "
-                                                   f"went on to {went_on}")
+    late = [r for position, r in enumerate(scheduled) if r in running and set(scheduled[:position]) - running]
+    if late:
+        raise ClauseViolation("SCHED-ORDER-1", f"running requests {late} were scheduled after waiting ones: "
+                                               f"scheduled in the order {scheduled}")
+    if sut.preempted and admitted:
+        raise ClauseViolation("SCHED-ORDER-1", f"admitted {admitted} in a step that preempted {list(sut.preempted)}")
+
+
+@check("SCHED-ORDER-1")
+def check_block_holders_first(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A waiting request that holds GPU blocks and whose load has ended comes before every other waiting request:
+    the adapter runs it before it considers another, or, if it cannot, considers no other in that step.
+
+    Left behind a request that cannot fit while it holds the blocks that one needs, neither could ever run.
+    """
+    ready = ctx.oracle.ready_holders
+    considered = list(ctx.followed.considered)
+    others = [r for r in considered if r not in ready]
+    if not ready or not others:
+        return
+    ctx.exercise("SCHED-ORDER-1")
+    ahead = considered[: considered.index(others[0])]
+    passed_over = [r for r in ready if r not in ahead]
+    if passed_over:
+        raise ClauseViolation("SCHED-ORDER-1", f"{passed_over} waited holding GPU blocks until their loads ended, so "
+                                               f"they come before every other waiting request, but the adapter "
+                                               f"considered {others[0]!r} first (considered {considered})")
 
 
 @check("PFX-HIT-1")
@@ -442,12 +460,19 @@ def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation
 
 @check("SCHED-STEP-2")
 def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
-    """The reference's waiting requests are asked for matches, and each request is scheduled the reference's
-    number of tokens."""
+    """A step schedules only unfinished requests and no more tokens than its budget, and asks for matches exactly
+    the waiting requests the reference, considering the same ones, asks: those with no computed tokens."""
     ctx.exercise("SCHED-STEP-2")
+    unknown = sorted(set(sut.scheduled_tokens) - set(ref.computed_tokens) - set(ref.finished))
+    if unknown:
+        raise ClauseViolation("SCHED-STEP-2", f"scheduled tokens for {unknown}, which are no unfinished requests: "
+                                              f"{sut.scheduled_tokens}")
+    total = sum(sut.scheduled_tokens.values())
+    if total > ctx.config.max_num_batched_tokens:
+        raise ClauseViolation("SCHED-STEP-2", f"scheduled {total} tokens, over the step's budget of "
+                                              f"{ctx.config.max_num_batched_tokens}: {sut.scheduled_tokens}")
     _differ("SCHED-STEP-2", "requests asked for matched tokens", sorted(a.request_id for a in ref.match_answers),
             sorted(a.request_id for a in sut.match_answers))
-    _differ("SCHED-STEP-2", "scheduled tokens", ref.scheduled_tokens, sut.scheduled_tokens)
 
 
 @check("LIFE-FIN-1")

@@ -4,14 +4,15 @@ A program is a list of `Call`s: the adapter operations `start`, `add_request`, `
 `abort`, `preempt`, `reset_prefix_cache`, plus `drain` (complete transfers and step until the engine is
 idle, then check for leaks). The state machine draws programs, the shrinker edits them, and a counterexample
 is one. `Execution.apply` runs one call and judges every answer with the registered checks, at each spec
-level the adapter reports: the connector level on the adapter's own schedule (`connector_level.py`), the
-offloading level against the reference engine stepped alongside.
+level the adapter reports, on the adapter's own schedule: the connector level from what crosses the connector API
+(`connector_level.py`), the offloading level against the reference engine stepped alongside, which schedules as
+the adapter did (`schedule_of`) and so knows what the connector and the store must do.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -22,7 +23,8 @@ from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Context, check_drained, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
-from kvconform.reference.engine import Engine
+from kvconform.reference.connector import KnownDeviations
+from kvconform.reference.engine import Engine, FollowedSchedule
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.request import RequestStatus
 
@@ -105,6 +107,8 @@ class Session:
     """The example, counted from 1, in which a clause first failed."""
     rules: int = 0
     steps: int = 0
+    steps_after_known_failure: int = 0
+    """Steps judged, in all examples, after a known failure of their example was followed (CONF-RUN-2)."""
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
     checks_seconds: float = 0.0
@@ -128,6 +132,8 @@ class Execution:
         self.capabilities = Capabilities()
         self.program: list[Call] = []
         self.failed = False
+        self.deviated = False
+        """Whether a known deviation of the adapter was followed earlier in this example."""
 
     # --- the engines -------------------------------------------------------------------------
 
@@ -218,11 +224,11 @@ class Execution:
         self.call("add_request", spec)
 
     def _step(self) -> None:
-        expected = self.expect("step") if self.oracle is not None else None
         actual = self.call("step")
         self.session.steps += 1
-        if expected is not None:  # the deeper level first: its failures name the block and the cause
-            self.compare_step(expected, actual)
+        self.session.steps_after_known_failure += self.deviated
+        if self.oracle is not None:  # the deeper level first: its failures name the block and the cause
+            self.compare_step(self.follow(actual), actual)
         self.judge("adapter.step()", "connector", actual)
         self.connector_judge.follow(actual)
         if self.capabilities.reads_kv:
@@ -294,6 +300,19 @@ class Execution:
         finally:
             self.session.checks_seconds += time.perf_counter() - started
 
+    def follow(self, actual: StepObservation) -> StepObservation:
+        """Step the reference as the adapter scheduled, taking the adapter's choices where the run knows it deviates,
+        and return what the reference observes; each deviation taken is recorded as its known failure (CONF-RUN-2)."""
+        self.ctx.followed = schedule_of(actual, [request.request_id for request in self.oracle.engine.running])
+        expected = self.expect("step_following", self.ctx.followed, None,
+                               deviations_of(actual, self.session.baseline.entries.keys(), self.ctx.identity))
+        for clause, what in self.oracle.engine.adopted:
+            violation = ClauseViolation(clause, f"adapter.step(): {what}")
+            if not self.session.baseline.tolerates(violation):
+                raise violation
+            self.deviated = True
+        return expected
+
     def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
         """Judge a step at the offloading level: the adapter's observation and store against the reference's."""
         self.judge("adapter.step()", "step", expected, actual)
@@ -339,6 +358,53 @@ class EngineState(Protocol):
     def transfers_pending(self) -> bool: ...
     def resident(self) -> list[str]: ...
     def busy(self) -> bool: ...
+
+
+DEVIATIONS_FOLLOWED = {"lookups": {"OFF-LOOKUP-1"}, "offers": {"OFF-STORE-1"}, "victims": {"OFF-LRU-1", "OFF-ARC-1"}}
+"""Which adapter choices the reference takes in place of its own, and the known failures that make it take them."""
+
+
+def deviations_of(observation: StepObservation, known: Collection[str],
+                  identity: Callable[[BlockRef], bytes]) -> KnownDeviations:
+    """Return the adapter's choices in a step that the reference takes where the run lists their clause as a known
+    failure (`DEVIATIONS_FOLLOWED`), so that the example goes on past them (CONF-RUN-2)."""
+    follows = {choice for choice, clauses in DEVIATIONS_FOLLOWED.items() if clauses & set(known)}
+    return KnownDeviations(
+        lookups={a.request_id: observation.lookups.get(a.request_id, ()) for a in observation.match_answers}
+        if "lookups" in follows else None,
+        offers={offer.request_id: offer.offload_indices for offer in observation.store_offers}
+        if "offers" in follows else None,
+        victims={offer.request_id: tuple(map(identity, offer.evicted)) for offer in observation.store_offers}
+        if "victims" in follows else None)
+
+
+def schedule_of(observation: StepObservation, running: Collection[str]) -> FollowedSchedule:
+    """Return the scheduling choices an adapter's step shows, for the reference to follow (SCHED-STEP-2).
+
+    `running` are the requests running when the step began. Waiting requests were considered in the order they
+    were asked for matches or scheduled; one asked but not scheduled (left waiting, or admitted with an asynchronous
+    load) shows no place among those resumed after a load, which are not asked, so it is placed as late as the
+    observation allows. A request asked with an asynchronous
+    load was admitted if the step left it with computed tokens or a load job.
+    """
+    resumed_or_admitted = [request_id for request_id in observation.scheduled_tokens if request_id not in running]
+    loading = {load.request_id for load in observation.loads}
+    admitted = set(resumed_or_admitted) | {
+        answer.request_id for answer in observation.match_answers
+        if answer.load_async and (observation.computed_tokens.get(answer.request_id, 0) or answer.request_id in loading)}
+    considered: list[str] = []
+    left_waiting: list[str] = []
+    for answer in observation.match_answers:
+        if answer.request_id not in resumed_or_admitted:
+            left_waiting.append(answer.request_id)
+            continue
+        position = resumed_or_admitted.index(answer.request_id)
+        considered += [r for r in resumed_or_admitted[:position] if r not in considered] + left_waiting
+        considered.append(answer.request_id)
+        left_waiting = []
+    considered += [r for r in resumed_or_admitted if r not in considered] + left_waiting
+    return FollowedSchedule(scheduled_tokens=dict(observation.scheduled_tokens), considered=tuple(considered),
+                            admitted=frozenset(admitted), preempted=frozenset(observation.preempted))
 
 
 @dataclass

@@ -97,6 +97,8 @@ class RunReport(BaseModel):
                                                            "failure: 1 when the example database replayed it first")
     rules: int = Field(description="state-machine rules run (Hypothesis's stateful steps), each one or more adapter calls")
     steps: int = Field(description="engine steps judged: at the offloading level, compared with the reference's")
+    steps_after_known_failure: int = Field(0, description="of those, the steps judged after a known failure of their "
+                                                          "example, whose deviation the reference followed")
     failed_clause: str | None = Field(description="the clause the run failed on")
     message: str | None = Field(description="what was wrong, naming the adapter call that gave it")
     counterexample: str | None = Field(description="the shrunk program of adapter calls that fails, as Python")
@@ -122,6 +124,7 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         seconds=round(result.seconds, 3),
         found_after=None if result.found_after is None else round(result.found_after, 3), examples=result.examples,
         found_at_example=result.found_at_example, rules=result.rules, steps=result.steps,
+        steps_after_known_failure=result.steps_after_known_failure,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         program=result.program, adapter_traceback=result.adapter_traceback, known_failures=known_failures or {},
         run_time_coverage=run_time_coverage(clauses, result.levels), clauses=clauses,
@@ -187,7 +190,8 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
         seed=seed, passed=failure["failed_clause"] is None,
         outcome=failing.outcome if failing else "ok" if failure["failed_clause"] is None else "fail",
         seconds=max(part.seconds for part in parts), examples=sum(part.examples for part in parts),
-        rules=sum(part.rules for part in parts), steps=sum(part.steps for part in parts), **failure,
+        rules=sum(part.rules for part in parts), steps=sum(part.steps for part in parts),
+        steps_after_known_failure=sum(part.steps_after_known_failure for part in parts), **failure,
         clauses=clauses, run_time_coverage=run_time_coverage(clauses, first.levels),
         shards=[ShardResult(index=index, seed=part.seed, examples=part.examples, rules=part.rules, steps=part.steps,
                             seconds=part.seconds, outcome=part.outcome, failed_clause=part.failed_clause,

@@ -44,6 +44,7 @@ class RunResult:
     """The example, counted from 1, in which the run found its failure: 1 for a failure replayed from the database."""
     rules: int = 0
     steps: int = 0
+    steps_after_known_failure: int = 0
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
     checks_seconds: float = 0.0
@@ -124,6 +125,7 @@ def run(
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
     result.rules, result.steps = session.rules, session.steps
+    result.steps_after_known_failure = session.steps_after_known_failure
     result.examples, result.found_at_example = session.examples, session.failing_example
     if session.last_execution is not None:
         result.levels = session.last_execution.capabilities.levels

@@ -74,6 +74,24 @@ class ConnectorUpdate:
     released: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class KnownDeviations:
+    """The followed engine's own choices in one step where the run declares that it deviates from the spec (its known
+    failures): the connector and the store take them in place of their own, so the example goes on past them
+    (CONF-RUN-2). None where the run declares no such deviation."""
+
+    lookups: dict[str, tuple[int, ...]] | None = None
+    """Per request asked: the offloaded blocks looked up (OFF-LOOKUP-1); where they stop short of the reference's
+    own, the answer is judged from those blocks alone."""
+    offers: dict[str, tuple[int, ...]] | None = None
+    """Per request: the offloaded blocks offered to the store, none if absent (OFF-STORE-1, OFF-READ-3)."""
+    victims: dict[str, tuple[OffloadKey, ...]] | None = None
+    """Per offering request: the blocks its prepare_store call evicted (OFF-LRU-1, OFF-ARC-1)."""
+
+
+NO_DEVIATIONS = KnownDeviations()
+
+
 @dataclass
 class RequestOffloadState:
     request: Request
@@ -134,7 +152,8 @@ class OffloadConnectorScheduler:
         """Start tracking a request; every request is tracked, skip flag or not (OFF-READ-3)."""
         self.states[request.request_id] = RequestOffloadState(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
+                                   deviations: KnownDeviations = NO_DEVIATIONS) -> tuple[int | None, bool]:
         """Return the loadable tokens past the local hit and if the load is async (CONN-MATCH-1, CONN-MATCH-4, OFF-READ-2,
         LIFE-LOAD-4, OFF-STORE-7)."""
         state = self.states[request.request_id]
@@ -148,17 +167,33 @@ class OffloadConnectorScheduler:
             num_hit_tokens: int | None = 0
         else:
             num_hit_tokens = self._lookup(state)
+            if deviations.lookups is not None and request.request_id in deviations.lookups:
+                num_hit_tokens = self._adopted_lookup(state, num_hit_tokens, deviations.lookups[request.request_id])
         self._touch(request, self.offload_keys(request))
         return num_hit_tokens, bool(num_hit_tokens)
 
-    def _lookup(self, state: RequestOffloadState) -> int | None:
-        """Return the loadable tokens: the run of readable offloaded blocks after the local hit.
+    def _adopted_lookup(self, state: RequestOffloadState, own: int | None, theirs: tuple[int, ...]) -> int | None:
+        """Where the followed engine's lookup stopped short of the reference's (a known OFF-LOOKUP-1 deviation), return
+        the answer the blocks it looked up give, else `own`."""
+        request_id = state.request.request_id
+        looked_up = self.recorder.lookups.get(request_id, [])
+        if list(theirs) == looked_up or list(theirs) != looked_up[: len(theirs)]:
+            return own
+        del self.recorder.lookups[request_id]
+        answer = self._lookup(state, lookup_end=self.first_lookup(state) + len(theirs))
+        self.recorder.adopted.append(("OFF-LOOKUP-1", f"{request_id!r}: looked up offloaded blocks {list(theirs)}, "
+                                                      f"not {looked_up}"))
+        return answer
+
+    def _lookup(self, state: RequestOffloadState, lookup_end: int | None = None) -> int | None:
+        """Return the loadable tokens: the run of readable offloaded blocks after the local hit, looked up no further
+        than offloaded block `lookup_end` if given.
 
         OFF-LOOKUP-1, OFF-LOOKUP-2, OFF-LOOKUP-3, OFF-LOOKUP-4.
         """
         request, block = state.request, self.offloaded_block_size
         keys = self.offload_keys(request)
-        max_hit = min(request.num_tokens, len(keys) * block)
+        max_hit = min(request.num_tokens, (len(keys) if lookup_end is None else lookup_end) * block)
         if max_hit - state.num_local_tokens < block:
             return 0
         start = self.first_lookup(state)
@@ -210,7 +245,8 @@ class OffloadConnectorScheduler:
         """
         return [slot_of[p // self.factor] * self.factor + p % self.factor for p in range(first_gpu, num_gpu)]
 
-    def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
+    def build_connector_meta(self, output: SchedulerOutput,
+                             deviations: KnownDeviations = NO_DEVIATIONS) -> ConnectorMetadata:
         """Return this step's loads, stores and flushes (CONN-STEP-3, LIFE-FREE-2)."""
         flush = self.pending_flushes
         for request_id in output.preempted_request_ids:
@@ -220,7 +256,7 @@ class OffloadConnectorScheduler:
         reused = self.reused_blocks(output)
         for block_id in reused & self.store_jobs_by_gpu_block.keys():  # LIFE-FREE-2
             flush |= self.store_jobs_by_gpu_block[block_id]
-        meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output, reused, flush), flush)
+        meta = ConnectorMetadata(self.pending_loads, self._build_store_jobs(output, reused, flush, deviations), flush)
         self.recorder.flushed_stores.extend((job.request_id, job.offload_indices) for job_id in sorted(flush)
                                             if (job := self.jobs.get(job_id)) is not None and job.is_store)
         self.pending_loads, self.pending_flushes = [], set()
@@ -254,24 +290,30 @@ class OffloadConnectorScheduler:
         with `flush_on_hit` also those of requests that run for the first time, their hit included (LIFE-FREE-2)."""
         return output.allocated_block_ids | (output.first_run_block_ids if self.config.flush_on_hit else set())
 
-    def _build_store_jobs(self, output: SchedulerOutput, reused: set[int], flush: set[int]) -> list[TransferJob]:
+    def _build_store_jobs(self, output: SchedulerOutput, reused: set[int], flush: set[int],
+                          deviations: KnownDeviations) -> list[TransferJob]:
         """Offer every newly full, computed offloaded block to the store (OFF-STORE-1, OFF-STORE-3, OFF-STORE-4)."""
         jobs = []
         for state, num_offloadable, block_ids in self._store_candidates(output):
             request = state.request
             request_id = request.request_id
             end = num_offloadable // self.offloaded_block_size
-            if end <= state.next_stored_index:
+            indices = self._adopted_offer(request, list(range(state.next_stored_index, end)), end, deviations)
+            if not indices:
                 continue
-            indices = list(range(state.next_stored_index, end))
             all_keys = self.offload_keys(request)
             offered = [all_keys[index] for index in indices]
             self.recorder.store_offers.append((request_id, indices))
-            prepared = self.manager.prepare_store(offered)
+            victims = None if deviations.victims is None else deviations.victims.get(request_id)
+            prepared = self.manager.prepare_store(offered, victims)
             self.recorder.offer_evictions.append(list(prepared.evicted) if prepared is not None else [])
             if prepared is None:
                 continue
-            state.next_stored_index = end
+            if prepared.evicted != prepared.policy_victims:
+                self.recorder.adopted.append(("OFF-LRU-1" if self.config.eviction_policy == "lru" else "OFF-ARC-1",
+                                              f"{request_id!r}'s store offer evicted {len(prepared.evicted)} other "
+                                              f"block(s) than the policy picks"))
+            state.next_stored_index = max(state.next_stored_index, indices[-1] + 1)
             self.recorder.evicted.extend(prepared.evicted)
             if not prepared.keys_to_store:
                 continue
@@ -284,6 +326,19 @@ class OffloadConnectorScheduler:
                     flush.add(job.job_id)
             jobs.append(job)
         return jobs
+
+    def _adopted_offer(self, request: Request, own: list[int], end: int, deviations: KnownDeviations) -> list[int]:
+        """Return the blocks the followed engine offered where that is a known deviation and they are computed, full
+        offloaded blocks of the request (OFF-STORE-1; OFF-READ-3 for a skip-read request offering fewer), else
+        `own`."""
+        if deviations.offers is None:
+            return own
+        theirs = list(deviations.offers.get(request.request_id, ()))
+        if theirs == own or any(index >= end for index in theirs):
+            return own
+        clause = "OFF-READ-3" if request.skip_reading_prefix_cache and set(own) - set(theirs) else "OFF-STORE-1"
+        self.recorder.adopted.append((clause, f"{request.request_id!r} offered blocks {theirs}, not {own}"))
+        return theirs
 
     @staticmethod
     def offloadable_tokens(request: Request, num_scheduled: int) -> int:

@@ -3,6 +3,10 @@
 One `step()` is: schedule → connector metadata → worker flushes and loads → forward → worker stores
 → output processing (SCHED-STEP-1). With async scheduling one batch is in flight: the output processed
 in step k is that of step k-1 (SCHED-ASYNC-1).
+
+The engine schedules by its own policy, or follows a `FollowedSchedule`: the choices another engine's scheduler
+made in the same step. Following, it runs its KV-cache manager, connector and store from those choices, so what
+they must do is known for any schedule, and records what it could not follow (`refused`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch
 from kvconform.common import kv_content
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.reference.connector import (
+    NO_DEVIATIONS,
     ConnectorOutput,
+    KnownDeviations,
     OffloadConnectorScheduler,
     OffloadConnectorWorker,
     SchedulerOutput,
@@ -48,6 +54,20 @@ class ConnectorReports:
     saves_finished: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FollowedSchedule:
+    """The choices another engine's scheduler made in one step, for the reference to follow (SCHED-STEP-2)."""
+
+    scheduled_tokens: dict[str, int]
+    """Tokens per request, in the order they were scheduled."""
+    considered: tuple[str, ...]
+    """Waiting requests in the order the scheduler considered them: asked for matches, or resumed after a load."""
+    admitted: frozenset[str]
+    """Waiting requests it admitted: scheduled in this step, or waiting for their load."""
+    preempted: frozenset[str]
+    """Running requests it preempted to make room."""
+
+
 @dataclass
 class StepResult:
     """What a step did, for the reference adapter to turn into a `StepObservation`."""
@@ -60,6 +80,7 @@ class StepResult:
     forward_writes: set[int] = field(default_factory=set)
     store_reads_in_flight: set[int] = field(default_factory=set)
     reports: ConnectorReports = field(default_factory=ConnectorReports)
+    preempted: set[str] = field(default_factory=set)
 
 
 class Engine:
@@ -97,8 +118,14 @@ class Engine:
         self.skip_order = itertools.count()
         self.resumed: list[str] = []
         """Block holders that the latest step ran (SCHED-ORDER-1)."""
-        self.stalled_holder: str | None = None
-        """The block holder that could not be admitted in the latest step, ending admission (SCHED-ORDER-1)."""
+        self.ready_holders: list[str] = []
+        """Block holders whose load had ended when the latest step began admitting, in order (SCHED-ORDER-1)."""
+        self.running_at_schedule: list[str] = []
+        """The requests running when the latest step began scheduling, in order (SCHED-ORDER-1)."""
+        self.refused: list[tuple[str, str]] = []
+        """What the latest step's followed schedule asked that the free blocks did not allow: (clause, why)."""
+        self.adopted: list[tuple[str, str]] = []
+        """The known deviations of the followed engine the latest step took in place of its own choice: (clause, what)."""
         self.delayed_free: set[str] = set()
         self.preempted_since_schedule: set[str] = set()
         self.inflight_prefills: set[str] = set()
@@ -193,22 +220,27 @@ class Engine:
 
     # --- the step -----------------------------------------------------------------------
 
-    def step(self, complete_in_step: tuple[bool, bool] | None = None) -> StepResult:
+    def step(self, complete_in_step: tuple[bool, bool] | None = None, followed: FollowedSchedule | None = None,
+             deviations: KnownDeviations = NO_DEVIATIONS) -> StepResult:
         """Run one engine step (SCHED-STEP-1); an engine without work only processes the batch in flight.
 
         With `complete_in_step` (whether loads fail, whether stores fail), the jobs in flight finish after the step's
         stores are submitted, before the worker reports its finished jobs: they are reported in this step
-        (CONN-STEP-4)."""
+        (CONN-STEP-4). With `followed`, the step schedules as another engine's scheduler did, and its connector and
+        store take that engine's `deviations`."""
         scheduled: dict[str, int] = {}
         writes: set[int] = set()
         reads_in_flight: set[int] = set()
-        self.resumed, self.stalled_holder = [], None
+        preempted: set[str] = set()
+        self.resumed, self.refused = [], []
         if self.has_work():
-            output = self._schedule()
+            preempted_before = set(self.preempted_since_schedule)
+            output = self._schedule(followed, deviations)
+            preempted = output.preempted_request_ids - preempted_before
             if self.config.async_scheduling and output.num_scheduled_tokens:
                 self.scheduled_steps += 1
                 self.last_scheduled.update(dict.fromkeys(output.num_scheduled_tokens, self.scheduled_steps))
-            meta = self.connector.build_connector_meta(output)
+            meta = self.connector.build_connector_meta(output, deviations)
             start_positions = self._advance(output)
             self.worker.start_load_kv(meta)
             reads_in_flight = self.worker.store_sources_in_flight()
@@ -221,9 +253,10 @@ class Engine:
         elif self.in_flight is not None:
             previous, self.in_flight = self.in_flight, None
             self._process(previous)
-        result = StepResult(scheduled, self._computed_tokens(), self.recorder.take(),
-                            self._step_finished, self._step_freed, writes, reads_in_flight, self._step_reports)
+        result = StepResult(scheduled, self._computed_tokens(), self.recorder.take(), self._step_finished,
+                            self._step_freed, writes, reads_in_flight, self._step_reports, preempted)
         self._step_finished, self._step_freed, self._step_reports = [], [], ConnectorReports()
+        self.adopted = result.trace.adopted
         return result
 
     def has_work(self) -> bool:
@@ -244,7 +277,7 @@ class Engine:
     def _computed_tokens(self) -> dict[str, int]:
         return {r.request_id: r.num_computed_tokens for r in (*self.waiting, *self.running)}
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, followed: FollowedSchedule | None, deviations: KnownDeviations) -> SchedulerOutput:
         """Schedule running requests first, then waiting ones, within the token budget (SCHED-ORDER-1)."""
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -252,46 +285,78 @@ class Engine:
         first_run: set[int] = set()
         preempted = self.preempted_since_schedule
         self.preempted_since_schedule = set()
+        self.running_at_schedule = [request.request_id for request in self.running]
         for request in list(self.running):
-            if request not in self.running or budget == 0:
+            if request not in self.running:
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
-            if num_new <= 0 or len(request.output) + request.num_output_placeholders >= request.max_tokens:
+            num_new = (self._running_tokens(request, budget) if followed is None
+                       else followed.scheduled_tokens.get(request.request_id, 0))
+            if num_new == 0:
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            new_blocks = self._allocate_or_preempt(request, num_new, preempted, followed)
             if new_blocks is None:
                 break
             allocated.update(new_blocks)
             scheduled[request.request_id] = num_new
             budget -= num_new
-        if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, allocated, first_run)
+        if followed is not None:
+            for request in [r for r in reversed(self.running) if r.request_id in followed.preempted]:
+                self._preempt_victim(request, preempted)
+        if followed is not None or not preempted:
+            budget = self._schedule_waiting(budget, scheduled, allocated, first_run, followed, deviations)
         finished, self.finished_since_schedule = self.finished_since_schedule, []
         return SchedulerOutput(scheduled, {rid: self.requests[rid] for rid in scheduled},
                                {rid: list(self.kv.blocks_of(rid)) for rid in scheduled}, allocated, preempted, finished,
                                first_run)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]) -> list[int] | None:
-        """Allocate for a running request, preempting the newest running ones until it fits (SCHED-PREEMPT-1)."""
+    @staticmethod
+    def _running_tokens(request: Request, budget: int) -> int:
+        """Return the tokens the own policy schedules for a running request: all it has left, within the budget."""
+        if len(request.output) + request.num_output_placeholders >= request.max_tokens:
+            return 0
+        return max(min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget), 0)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str],
+                             followed: FollowedSchedule | None) -> list[int] | None:
+        """Allocate for a running request, preempting the newest running ones until it fits (SCHED-PREEMPT-1);
+        following, the newest of those the followed scheduler preempted, and the request must then fit."""
         while True:
             new_blocks = self.kv.allocate_slots(request, num_new, [], 0, delay_caching=False)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running[-1]
-            if not self.config.preempt_in_flight and self.last_scheduled.get(victim.request_id, 0) > self.processed_steps:
+            victim = self.running[-1] if followed is None else next(
+                (r for r in reversed(self.running) if r.request_id in followed.preempted), None)
+            if victim is None:
+                self.refused.append(("SCHED-ALLOC-1", f"{request.request_id!r} was scheduled {num_new} tokens, for "
+                                                      f"which the free blocks do not hold"))
+                return None
+            if (followed is None and not self.config.preempt_in_flight
+                    and self.last_scheduled.get(victim.request_id, 0) > self.processed_steps):
                 return None  # its blocks would only return once the step in flight is processed (LIFE-FREE-3)
-            self._preempt(victim)
-            preempted.add(victim.request_id)
-            self.preempted_since_schedule.discard(victim.request_id)
+            self._preempt_victim(victim, preempted)
             if victim is request:
                 return None
 
+    def _preempt_victim(self, victim: Request, preempted: set[str]) -> None:
+        """Preempt a running request to make room in this step's scheduling (SCHED-PREEMPT-1)."""
+        self._preempt(victim)
+        preempted.add(victim.request_id)
+        self.preempted_since_schedule.discard(victim.request_id)
+
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int],
-                          first_run: set[int]) -> int:
-        """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1)."""
+                          first_run: set[int], followed: FollowedSchedule | None, deviations: KnownDeviations) -> int:
+        """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1);
+        following, those the followed scheduler considered, in its order, admitting those it admitted."""
         self.order_waiting()
-        for request in list(self.waiting):
-            if budget == 0:
+        self.ready_holders = [request.request_id for request in self.waiting
+                              if request.request_id in self.holders and request.request_id in self.loads_done]
+        if followed is None:
+            queue = list(self.waiting)
+        else:
+            waiting = {request.request_id: request for request in self.waiting}
+            queue = [waiting[request_id] for request_id in followed.considered if request_id in waiting]
+        for request in queue:
+            if followed is None and budget == 0:
                 break
             if request.status is RequestStatus.WAITING_FOR_LOAD:
                 if request.request_id not in self.loads_done:
@@ -302,7 +367,7 @@ class Engine:
             load_async = False
             if request.num_computed_tokens == 0:
                 local_blocks, num_local = self.kv.get_computed_blocks(request)
-                answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local, deviations)
                 self.recorder.answers.append((request.request_id, num_local, answer, load_async))
                 if answer is None:
                     if self.config.deferred_first:
@@ -310,16 +375,23 @@ class Engine:
                     continue  # asked again in a later step (SCHED-ORDER-1)
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
-            num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+            if followed is None:
+                num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
+            elif request.request_id in followed.admitted:
+                num_new = 0 if load_async else followed.scheduled_tokens.get(request.request_id, 0)
+            else:
+                continue  # the followed scheduler left it waiting
             new_blocks = None
             # SCHED-ADMIT-1: the full sequence must fit, not only the first chunk
             if self.kv.blocks_to_allocate(request, request.num_tokens, local_blocks) <= self.kv.pool.num_free_blocks:
                 reserved = self._prefill_reservation() if load_async else 0
                 new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external,
                                                     delay_caching=load_async, reserved=reserved)
+            if new_blocks is None and followed is not None:
+                self.refused.append(("SCHED-ADMIT-1", f"{request.request_id!r} was admitted, but the free blocks do "
+                                                      f"not hold its full sequence ({request.num_tokens} tokens)"))
+                continue
             if new_blocks is None:
-                if request.request_id in self.holders:
-                    self.stalled_holder = request.request_id
                 break
             allocated.update(new_blocks)
             first_run.update(local_blocks)

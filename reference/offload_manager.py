@@ -34,6 +34,8 @@ class PrepareStoreOutput:
     keys_to_store: list[OffloadKey]
     slots: list[int]
     evicted: list[OffloadKey]
+    policy_victims: list[OffloadKey] = field(default_factory=list)
+    """The blocks the eviction policy picked; other than `evicted` when the caller's victims were taken instead."""
 
 
 @dataclass
@@ -65,13 +67,15 @@ class LRUPolicy:
             if key in self.evictable:
                 self.evictable.move_to_end(key)
 
-    def evict(self, count: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, StoredBlock]] | None:
-        """Return `count` victims in LRU order, skipping `protected`; None (and no change) if short."""
-        candidates = ((key, self.blocks[key]) for key in self.evictable if key not in protected)
-        victims = list(itertools.islice(candidates, count))
-        if len(victims) < count:
-            return None
-        for key, _ in victims:
+    def choose(self, count: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """Return `count` victims in LRU order, skipping `protected`; None if short."""
+        victims = list(itertools.islice((key for key in self.evictable if key not in protected), count))
+        return victims if len(victims) == count else None
+
+    def evict(self, keys: Sequence[OffloadKey]) -> list[tuple[OffloadKey, StoredBlock]]:
+        """Remove `keys` and return them with their blocks."""
+        victims = [(key, self.blocks[key]) for key in keys]
+        for key in keys:
             self.remove(key)
         return victims
 
@@ -128,26 +132,28 @@ class ARCPolicy:
                 self.target_t1 = max(self.target_t1 - max(1, len(self.b1) / len(self.b2)), 0)
                 self.b2.move_to_end(key)
 
-    def evict(self, count: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, StoredBlock]] | None:
-        """Pick victims from T1 while it is at or above target, else from T2 (OFF-ARC-4); atomic."""
-        chosen: list[tuple[OffloadKey, bool]] = []
-        taken: set[OffloadKey] = set()
+    def choose(self, count: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """Pick victims from T1 while it is at or above target, else from T2 (OFF-ARC-4); None if short."""
+        chosen: list[OffloadKey] = []
         t1_size = len(self.t1)
         for _ in range(count):
             victim = None
             if t1_size >= int(self.target_t1):
-                victim = self._first_idle(self.t1, protected, taken)
+                victim = self._first_idle(self.t1, protected, chosen)
                 if victim is not None:
                     t1_size -= 1
-                    chosen.append((victim, True))
             if victim is None:
-                victim = self._first_idle(self.t2, protected, taken)
+                victim = self._first_idle(self.t2, protected, chosen)
                 if victim is None:
                     return None
-                chosen.append((victim, False))
-            taken.add(victim)
+            chosen.append(victim)
+        return chosen
+
+    def evict(self, keys: Sequence[OffloadKey]) -> list[tuple[OffloadKey, StoredBlock]]:
+        """Remove `keys`, remembering each in the ghost list of the list it left, and return them with their blocks."""
         victims = []
-        for key, from_t1 in chosen:
+        for key in keys:
+            from_t1 = key in self.t1
             victims.append((key, self.t1.pop(key) if from_t1 else self.t2.pop(key)))
             (self.b1 if from_t1 else self.b2)[key] = None
         for ghost in (self.b1, self.b2):
@@ -157,7 +163,7 @@ class ARCPolicy:
 
     @staticmethod
     def _first_idle(
-        blocks: OrderedDict[OffloadKey, StoredBlock], protected: set[OffloadKey], taken: set[OffloadKey]
+        blocks: OrderedDict[OffloadKey, StoredBlock], protected: set[OffloadKey], taken: list[OffloadKey]
     ) -> OffloadKey | None:
         for key, block in blocks.items():
             if block.ref_count == 0 and key not in protected and key not in taken:
@@ -233,25 +239,37 @@ class OffloadManager:
                 self.num_evictable += 1
                 self.policy.mark_evictable(key)
 
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
-        """Reserve slots for the keys not yet held, evicting idle unprotected blocks (OFF-MGR-5, OFF-MGR-7)."""
+    def prepare_store(self, keys: Sequence[OffloadKey],
+                      victims: Sequence[OffloadKey] | None = None) -> PrepareStoreOutput | None:
+        """Reserve slots for the keys not yet held, evicting idle unprotected blocks (OFF-MGR-5, OFF-MGR-7).
+
+        `victims`, when they are as many idle unprotected blocks as the policy would evict, are evicted instead of
+        the policy's (a known deviation of the engine under test, followed so the example goes on)."""
         to_store = [key for key in keys if self.policy.get(key) is None]
         evicted: list[OffloadKey] = []
+        policy_victims: list[OffloadKey] = []
         shortfall = len(to_store) - len(self.free_slots)
         if to_store and shortfall > 0:
             if shortfall > self.num_evictable:
                 return None
-            victims = self.policy.evict(shortfall, protected=set(keys))
-            if victims is None:
+            policy_victims = self.policy.choose(shortfall, protected=set(keys))
+            if policy_victims is None:
                 return None
-            evicted = [key for key, _ in victims]
-            self.num_evictable -= len(victims)
-            self.free_slots.extend(block.slot for _, block in victims)
+            evicted = list(victims) if victims is not None and self._evictable(victims, keys, shortfall) else policy_victims
+            freed = self.policy.evict(evicted)
+            self.num_evictable -= len(freed)
+            self.free_slots.extend(block.slot for _, block in freed)
             self.events.append(StoreEvent(evicted, removed=True))
         slots = [self.free_slots.pop() for _ in to_store]
         for key, slot in zip(to_store, slots):
             self.policy.insert(key, StoredBlock(slot))
-        return PrepareStoreOutput(to_store, slots, evicted)
+        return PrepareStoreOutput(to_store, slots, evicted, policy_victims)
+
+    def _evictable(self, victims: Sequence[OffloadKey], keys: Sequence[OffloadKey], count: int) -> bool:
+        """Return True if `victims` are `count` distinct held, idle blocks, none of them among `keys` (OFF-MGR-3, -7)."""
+        blocks = [self.policy.get(key) for key in victims]
+        return (len(set(victims)) == count and not set(victims) & set(keys)
+                and all(block is not None and block.ref_count == 0 for block in blocks))
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool) -> None:
         """Make stored blocks readable, or drop them when the store failed (OFF-MGR-6)."""

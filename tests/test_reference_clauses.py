@@ -388,11 +388,11 @@ def test_arc_evicts_t1_first_into_ghost():
 
 
 def test_arc_evict_is_atomic():
-    """OFF-ARC-4: an eviction that cannot find enough idle victims returns None and changes nothing."""
+    """OFF-ARC-4: an eviction that cannot find enough idle victims evicts nothing."""
     manager = OffloadManager(2, "arc")
     stored(manager, K[0], K[1])
     policy = manager.policy
-    assert policy.evict(2, protected={K[1]}) is None
+    assert policy.choose(2, protected={K[1]}) is None
     assert list(policy.t1) == [K[0], K[1]] and not policy.b1
 
 
@@ -489,7 +489,8 @@ def test_store_of_a_finished_request_flushed_before_its_blocks_are_reused(engine
     e.add_request(RequestSpec(request_id="s", prompt=(3,) * 12))
     meta_flushes = []
     build = e.connector.build_connector_meta
-    e.connector.build_connector_meta = lambda output: meta_flushes.append(build(output)) or meta_flushes[-1]
+    e.connector.build_connector_meta = (
+        lambda output, deviations: meta_flushes.append(build(output, deviations)) or meta_flushes[-1])
     result = e.step()
     (meta,) = meta_flushes
     (store,) = [job for job in meta.store_jobs if job.request_id == "r"]
@@ -506,7 +507,7 @@ def test_store_flushed_when_its_blocks_become_a_hit_if_declared(engine):
         e.add_request(RequestSpec(request_id="r1", prompt=PROMPT[:8] + (1, 1, 1, 1)))
         metas = []
         build = e.connector.build_connector_meta
-        e.connector.build_connector_meta = lambda output: metas.append(build(output)) or metas[-1]
+        e.connector.build_connector_meta = lambda output, deviations: metas.append(build(output, deviations)) or metas[-1]
         e.step()
         assert metas[0].jobs_to_flush == ({0} if flush_on_hit else set())
 
@@ -523,7 +524,8 @@ def test_store_flushed_when_a_loaded_request_first_runs_if_declared(engine, flus
     e.add_request(RequestSpec(request_id="loader", prompt=prompt))
     steps = []
     build = e.connector.build_connector_meta
-    e.connector.build_connector_meta = lambda output: steps.append((output, build(output))) or steps[-1][1]
+    e.connector.build_connector_meta = (
+        lambda output, deviations: steps.append((output, build(output, deviations))) or steps[-1][1])
     for _ in range(4):
         e.complete_transfers(False, False)
         e.step()

@@ -42,6 +42,7 @@ class StepTrace:
     """What vLLM's objects reported during one adapter step, as recorded by the wrappers."""
 
     scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
     match_answers: list[MatchAnswer] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
@@ -402,6 +403,7 @@ class VllmAdapter(KVConnectorAdapter):
     def _execute(self, scheduler_output: Any) -> Batch:
         """Run the model runner's part of a step: vLLM's own runner-side connector calls around the forward."""
         self.trace.scheduled_tokens = dict(scheduler_output.num_scheduled_tokens)
+        self.trace.preempted = set(scheduler_output.preempted_req_ids or ())
         self.transfers.begin_step()
         self.observe_metadata(scheduler_output.kv_connector_metadata)
         self.runner.install()
@@ -501,7 +503,8 @@ class VllmAdapter(KVConnectorAdapter):
         observation = dict(
             scheduled_tokens=trace.scheduled_tokens,
             computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items() if not q.is_finished()},
-            match_answers=tuple(trace.match_answers), finished=tuple(trace.finished), freed=tuple(trace.freed),
+            preempted=tuple(sorted(trace.preempted)), match_answers=tuple(trace.match_answers),
+            finished=tuple(trace.finished), freed=tuple(trace.freed),
             forward_writes=frozenset(trace.forward_writes), store_reads_in_flight=frozenset(trace.store_reads_in_flight),
             loads_finished=tuple(trace.loads_finished), loads_failed=tuple(trace.loads_failed),
             free_delayed=tuple(trace.free_delayed), saves_finished=tuple(trace.saves_finished),

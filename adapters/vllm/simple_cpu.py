@@ -161,6 +161,8 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         self.loads_in_flight: dict[str, LoadJob] = {}
         self.store_jobs: dict[int, list[StoreJob]] = {}
         """The store jobs of each store event, one per request whose blocks it writes."""
+        self.finish_evictions: list[BlockRef] = []
+        """Blocks the CPU pool evicted to make room for those queued at a finish, reported with their offers."""
         original = self.manager.get_num_new_matched_tokens
 
         def answering(request: Any, num_computed_tokens: int) -> Any:
@@ -175,7 +177,8 @@ class VllmSimpleCPUAdapter(VllmAdapter):
 
         def building(scheduler_output: Any) -> Any:
             self.record["offers"] += self.finish_offers
-            self.finish_offers = []
+            self.record["evicted"] += self.finish_evictions
+            self.finish_offers, self.finish_evictions = [], []
             before = self.store_cursors()
             meta = original_build(scheduler_output)
             for request_id, cursor in self.store_cursors().items():
@@ -189,13 +192,18 @@ class VllmSimpleCPUAdapter(VllmAdapter):
 
         def finishing(request: Any, block_ids: tuple[list[int], ...]) -> Any:
             pending = getattr(self.manager, "_pending_finished_stores", [])  # 0.34+: appended to, never replaced
-            queued = len(pending)
+            queued, evicted = len(pending), len(self.record["evicted"])
             result = original_finished(request, block_ids)
+            made_room = self.record["evicted"][evicted:]
+            del self.record["evicted"][evicted:]
             for position, block in enumerate(block_ids[0]):
                 self.block_owner[block] = BlockRef(request_id=request.request_id, index=position)
             for transfer in pending[queued:]:
                 positions = tuple(block_ids[0].index(block) for block in transfer.gpu_block_ids)
-                self.finish_offers.append(StoreJob(request_id=request.request_id, offload_indices=positions))
+                self.finish_offers.append(StoreJob(request_id=request.request_id, offload_indices=positions,
+                                                   evicted=tuple(made_room)))
+                self.finish_evictions += made_room
+                made_room = []
             return result
 
         self.manager.request_finished_all_groups = finishing

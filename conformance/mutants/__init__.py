@@ -17,7 +17,7 @@ import torch
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import Capabilities, SpecLevel
-from kvconform.reference.connector import OffloadConnectorScheduler, OffloadConnectorWorker
+from kvconform.reference.connector import NO_DEVIATIONS, OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine
 from kvconform.reference.hashing import block_hashes
 from kvconform.reference.kv_cache import BlockPool, KVCacheManager
@@ -31,7 +31,7 @@ from kvconform.reference.request import RequestStatus
 class SkipFlagIgnoredConnector(OffloadConnectorScheduler):
     """vLLM #44585 (fixed by PR #44592): skip_reading_prefix_cache ignored; the prefix is looked up and loaded."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, deviations=NO_DEVIATIONS):
         state = self.states[request.request_id]
         if state.transfer_jobs:
             return None, False
@@ -44,11 +44,11 @@ class SkipFlagIgnoredConnector(OffloadConnectorScheduler):
 class SkipReturnsEarlyConnector(OffloadConnectorScheduler):
     """PR #44592's rejected first draft: return (0, False) before tracking, so nothing is ever stored."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, deviations=NO_DEVIATIONS):
         if request.skip_reading_prefix_cache:
             self.states.pop(request.request_id, None)
             return 0, False
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens, deviations)
 
 
 # --- connector decisions ---------------------------------------------------------------------
@@ -57,8 +57,8 @@ class SkipReturnsEarlyConnector(OffloadConnectorScheduler):
 class AsyncFlagOnZeroConnector(OffloadConnectorScheduler):
     """Answers load_async=True together with 0 tokens (base.py: the flag MUST be False when the count is 0)."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        hits, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, deviations=NO_DEVIATIONS):
+        hits, _ = super().get_num_new_matched_tokens(request, num_computed_tokens, deviations)
         return hits, hits is not None
 
 
@@ -75,11 +75,11 @@ class AnswersDuringTransfersConnector(OffloadConnectorScheduler):
     """A request that still has transfer jobs in flight — a preempted request's stores — is looked up and answered
     at once instead of deferred (None) until they end."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, deviations=NO_DEVIATIONS):
         state = self.states[request.request_id]
         in_flight, state.transfer_jobs = state.transfer_jobs, set()
         try:
-            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+            return super().get_num_new_matched_tokens(request, num_computed_tokens, deviations)
         finally:
             state.transfer_jobs |= in_flight
 
@@ -178,7 +178,7 @@ class NoFlushOnPreemptionConnector(OffloadConnectorScheduler):
     step after the preemption, the mutant still storing (OFF-MGR-1); once the blocks are reused, XFER-SAFE-1.
     """
 
-    def build_connector_meta(self, output):
+    def build_connector_meta(self, output, deviations=NO_DEVIATIONS):
         output.preempted_request_ids = set()
         return super().build_connector_meta(output)
 
@@ -226,8 +226,8 @@ class EvictsKeptKeysManager(OffloadManager):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        evict = self.policy.evict
-        self.policy.evict = lambda count, protected: evict(count, set())
+        choose = self.policy.choose
+        self.policy.choose = lambda count, protected: choose(count, set())
 
 
 class TouchIgnoredLRUPolicy(LRUPolicy):
@@ -251,10 +251,10 @@ class PinIgnoredLRUPolicy(LRUPolicy):
 class SwappedListsARCPolicy(ARCPolicy):
     """ARC that takes its victims from the frequency list T2 while T1 is at or above its target (lists swapped)."""
 
-    def evict(self, count, protected):
+    def choose(self, count, protected):
         self.t1, self.t2 = self.t2, self.t1
         try:
-            return super().evict(count, protected)
+            return super().choose(count, protected)
         finally:
             self.t1, self.t2 = self.t2, self.t1
 
@@ -473,6 +473,42 @@ class LeaksBlockOnAbortEngine(Engine):
         super().abort(request_id)
 
 
+class IgnoresTokenBudgetEngine(Engine):
+    """The step's token budget is not enforced: every request is scheduled all the tokens it has left at once."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config.model_copy(update={"max_num_batched_tokens": 1 << 30}), device)
+
+
+class PreemptsOldestEngine(Engine):
+    """A running request short of blocks preempts the oldest running request the step has not scheduled yet, instead
+    of the newest."""
+
+    def _allocate_or_preempt(self, request, num_new, preempted, followed):
+        while (new_blocks := self.kv.allocate_slots(request, num_new, [], 0, delay_caching=False)) is None:
+            victim = self.running[self.running.index(request) + 1] if request is not self.running[-1] else request
+            self._preempt_victim(victim, preempted)
+            if victim is request:
+                return None
+        return new_blocks
+
+
+class FirstChunkKVCacheManager(KVCacheManager):
+    """A waiting request is admitted when its first chunk fits, not its full sequence (vLLM's
+    `scheduler_reserve_full_isl=False`): admission asks for no blocks beyond those allocate_slots takes for the tokens
+    scheduled now, and under chunked prefill running requests then preempt each other (SCHED-ADMIT-1)."""
+
+    def blocks_to_allocate(self, request, num_tokens, computed_blocks):
+        return 0
+
+
+class NullBlockCountedEngine(Engine):
+    """The pool is sized as if the null block were not one of `num_gpu_blocks`: one block more than the engine has."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config.model_copy(update={"num_gpu_blocks": config.num_gpu_blocks + 1}), device)
+
+
 # --- the connector level: black-box faults, seen only through the public connector API ------------------
 
 
@@ -641,6 +677,11 @@ MUTANTS = {
     "corrupts-at-rest": row(CorruptsAtRestWorker, "data at rest", "XFER-DATA-3"),
     "store-reported-twice": row(CompletesStoresTwiceConnector, "offloading scheduler contract", "CONN-STEP-4"),
     "reordered-load": row(ReorderedLoadConnector, "data integrity", "XFER-DATA-1"),
+    "ignores-token-budget": row(IgnoresTokenBudgetEngine, "scheduler contract", "SCHED-STEP-2"),
+    "preempts-oldest-unscheduled": row(PreemptsOldestEngine, "scheduler contract", "SCHED-PREEMPT-1", "PFX-HIT-1"),
+    "admits-first-chunk-only": row(FirstChunkKVCacheManager, "scheduler_reserve_full_isl", "SCHED-ADMIT-1",
+                                   "SCHED-ALLOC-1"),
+    "null-block-counted": row(NullBlockCountedEngine, "block_pool.py contract", "SCHED-ALLOC-1", "SCHED-ADMIT-1"),
     "leaks-block-on-abort": row(LeaksBlockOnAbortEngine, "no leaks",
                                 "LIFE-LEAK-1", "PFX-RESET-1", "SCHED-STEP-2", "OFF-MGR-1"),
     # the connector level, black box: only what crosses the public connector API and the bytes are seen
