@@ -35,16 +35,12 @@ class EngineConfig(_Frozen):
                                                      "blocks not stored yet (OFF-STORE-6)")
     flush_on_hit: bool = Field(False, description="also flush a store whose blocks become another request's "
                                                   "local hit (LIFE-FREE-2)")
-    preempt_in_flight: bool = Field(True, description="preempt a request even while the step in flight holds its "
-                                                      "blocks (SCHED-PREEMPT-1)")
     lookup_after_failed_load: bool = Field(True, description="look the store up again for a request one of whose "
                                                              "loads failed (LIFE-LOAD-4)")
     local_hit_after_failed_load: bool = Field(True, description="a request whose load failed keeps its local hit; "
                                                                 "without it, it is admitted afresh (LIFE-LOAD-3)")
     restart_offers_on_lookup: bool = Field(False, description="each lookup of a request makes it offer its blocks "
                                                               "from the first one again (OFF-STORE-7)")
-    deferred_first: bool = Field(False, description="consider a request whose lookup was deferred before the other "
-                                                    "waiting requests, after those holding blocks (SCHED-ORDER-1)")
 
     def __repr__(self) -> str:
         return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in self.model_dump().items())})"
@@ -169,10 +165,11 @@ SpecLevel = Literal["connector", "offloading"]
 OffloadingManager-style connectors (`offloading`); an adapter that reports the offloading level's observations
 is judged at both."""
 
-VARIANTS = ("offer_at_finish", "flush_on_hit", "preempt_in_flight", "lookup_after_failed_load",
-            "local_hit_after_failed_load", "restart_offers_on_lookup", "deferred_first")
-"""EngineConfig fields that name a behaviour releases of one implementation differ in: the capability of the same
-name lists the values an implementation has, and the reference follows the value the config carries."""
+VARIANTS = ("offer_at_finish", "flush_on_hit", "lookup_after_failed_load", "local_hit_after_failed_load",
+            "restart_offers_on_lookup")
+"""EngineConfig fields that name a behaviour of the connector and the store that releases of one implementation
+differ in: the capability of the same name lists the values an implementation has, and the reference follows the
+value the config carries. A choice of the scheduler is no variant: the judge follows the schedule it observes."""
 
 
 class Capabilities(_Frozen):
@@ -189,8 +186,6 @@ class Capabilities(_Frozen):
                                                                       "request's blocks at the next step (OFF-STORE-6)")
     flush_on_hit: tuple[bool, ...] = Field((False,), description="whether a store is also flushed when its blocks "
                                                                    "become a local hit (LIFE-FREE-2)")
-    preempt_in_flight: tuple[bool, ...] = Field((True,), description="whether a request is preempted even while the "
-                                                                       "step in flight holds its blocks (SCHED-PREEMPT-1)")
     lookup_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed is "
                                                                               "looked up again (LIFE-LOAD-4)")
     local_hit_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed "
@@ -198,9 +193,6 @@ class Capabilities(_Frozen):
     restart_offers_on_lookup: tuple[bool, ...] = Field((False,), description="whether each lookup of a request makes "
                                                                                "it offer its blocks from the first one "
                                                                                "again (OFF-STORE-7)")
-    deferred_first: tuple[bool, ...] = Field((False,), description="whether a request whose lookup was deferred is "
-                                                                     "considered before the other waiting requests "
-                                                                     "(SCHED-ORDER-1)")
     complete_in_step: bool = Field(False, description="step(complete_transfers=…) finishes the transfers in flight "
                                                       "inside the step, where the worker polls its jobs")
     levels: tuple[SpecLevel, ...] = Field(("connector", "offloading"), description="the spec levels whose "

@@ -113,9 +113,7 @@ class Engine:
         self.loads_done: dict[str, bool] = {}
         self.holders: dict[str, int] = {}
         """Waiting requests that hold GPU blocks, admitted with a load → when; considered first until they run."""
-        self.deferred: dict[str, int] = {}
-        """With `deferred_first`, waiting requests whose lookup was deferred → when; considered next until they run."""
-        self.skip_order = itertools.count()
+        self.load_order = itertools.count()
         self.resumed: list[str] = []
         """Block holders that the latest step ran (SCHED-ORDER-1)."""
         self.ready_holders: list[str] = []
@@ -187,7 +185,6 @@ class Engine:
         request.status = status
         self.inflight_prefills.discard(request.request_id)
         self.holders.pop(request.request_id, None)
-        self.deferred.pop(request.request_id, None)
         self._step_finished.append(request.request_id)
         self.finished_since_schedule.append(request.request_id)
         if self.connector.request_finished(request):
@@ -330,9 +327,6 @@ class Engine:
                 self.refused.append(("SCHED-ALLOC-1", f"{request.request_id!r} was scheduled {num_new} tokens, for "
                                                       f"which the free blocks do not hold"))
                 return None
-            if (followed is None and not self.config.preempt_in_flight
-                    and self.last_scheduled.get(victim.request_id, 0) > self.processed_steps):
-                return None  # its blocks would only return once the step in flight is processed (LIFE-FREE-3)
             self._preempt_victim(victim, preempted)
             if victim is request:
                 return None
@@ -370,9 +364,7 @@ class Engine:
                 answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local, deviations)
                 self.recorder.answers.append((request.request_id, num_local, answer, load_async))
                 if answer is None:
-                    if self.config.deferred_first:
-                        self.deferred.setdefault(request.request_id, next(self.skip_order))
-                    continue  # asked again in a later step (SCHED-ORDER-1)
+                    continue  # asked again in a later step, keeping its place (SCHED-ORDER-1)
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
             if followed is None:
@@ -402,12 +394,11 @@ class Engine:
             if load_async:
                 request.num_local_hit_tokens = num_local
                 request.status = RequestStatus.WAITING_FOR_LOAD
-                self.holders.setdefault(request.request_id, next(self.skip_order))
+                self.holders.setdefault(request.request_id, next(self.load_order))
                 continue
             if self.holders.pop(request.request_id, None) is not None:
                 self.resumed.append(request.request_id)
                 first_run.update(self.kv.blocks_of(request.request_id))
-            self.deferred.pop(request.request_id, None)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -421,17 +412,10 @@ class Engine:
                    for r in self.inflight_prefills)
 
     def order_waiting(self) -> None:
-        """Put the waiting requests that hold GPU blocks first, in the order their loads were admitted, then with
-        `deferred_first` those whose lookup was deferred, in the order they were deferred (SCHED-ORDER-1)."""
-        def rank(request: Request) -> tuple[int, int]:
-            request_id = request.request_id
-            if request_id in self.holders:
-                return 0, self.holders[request_id]
-            if request_id in self.deferred:
-                return 1, self.deferred[request_id]
-            return 2, 0
-
-        self.waiting.sort(key=rank)
+        """Put the waiting requests that hold GPU blocks first, in the order their loads were admitted; the others keep
+        their queue order (SCHED-ORDER-1)."""
+        self.waiting.sort(key=lambda request: (0, self.holders[request.request_id]) if request.request_id in self.holders
+                          else (1, 0))
 
     def _finish_load(self, request: Request, success: bool) -> None:
         """Cache a finished load's blocks, or after a failure those of the local hit the request fell back to

@@ -800,17 +800,14 @@ def test_block_holders_before_deferred_requests(engine):
     assert e.step().scheduled_tokens == {"deferred": 4}
 
 
-@pytest.mark.parametrize("deferred_first", [False, True])
-def test_deferred_requests_next_if_declared(engine, deferred_first):
-    """SCHED-ORDER-1: with `deferred_first`, a request whose lookup was deferred is asked again before a request
-    preempted later; without, the preempted one at the queue's front is asked first (vLLM 0.24 / 0.34)."""
-    e = engine(num_gpu_blocks=64, block_size_factor=3, num_offload_blocks=2, max_num_batched_tokens=16,
-               deferred_first=deferred_first)
+def test_deferred_request_keeps_its_place(engine):
+    """SCHED-ORDER-1: a request whose lookup was deferred keeps its place in the queue: a request preempted later, at
+    the queue's front, is asked first (vLLM 0.34; the judge follows 0.24's other order, test_followed_schedule.py)."""
+    e = engine(num_gpu_blocks=64, block_size_factor=3, num_offload_blocks=2, max_num_batched_tokens=16)
     deferred_between_loads(e, before=("runner",))
     e.preempt("runner")
     assert e.step().trace.answers == [], "no admission in the step after a preemption"
-    asked = [request_id for request_id, *_ in e.step().trace.answers]
-    assert asked == (["deferred", "runner"] if deferred_first else ["runner", "deferred"])
+    assert [request_id for request_id, *_ in e.step().trace.answers] == ["runner", "deferred"]
 
 
 def test_two_loads_never_deadlock(engine):
@@ -878,15 +875,14 @@ def test_preempt_newest_when_pool_short(engine):
     assert [r.request_id for r in e.waiting] == ["b"]
 
 
-def test_no_preemption_of_a_request_the_step_in_flight_holds(engine):
-    """SCHED-PREEMPT-1: without preempt_in_flight, a request whose step is in flight is not preempted for room."""
-    for preempt_in_flight in (True, False):
-        e = engine(num_gpu_blocks=5, async_scheduling=True, preempt_in_flight=preempt_in_flight)
-        e.add_request(RequestSpec(request_id="a", prompt=PROMPT[:8], max_tokens=3))
-        e.add_request(RequestSpec(request_id="b", prompt=PROMPT[:8], max_tokens=3))
-        e.step()
-        e.step()
-        assert (e.requests["b"].num_computed_tokens == 0) is preempt_in_flight, preempt_in_flight
+def test_preemption_of_a_request_the_step_in_flight_holds(engine):
+    """SCHED-PREEMPT-1: the newest running request is preempted for room even while the step in flight holds its
+    blocks; they return once that step's output is processed (LIFE-FREE-3)."""
+    e = engine(num_gpu_blocks=5, async_scheduling=True)
+    e.add_request(RequestSpec(request_id="a", prompt=PROMPT[:8], max_tokens=3))
+    e.add_request(RequestSpec(request_id="b", prompt=PROMPT[:8], max_tokens=3))
+    e.step()
+    assert e.step().preempted == {"b"} and e.requests["b"].num_computed_tokens == 0
 
 
 def test_async_output_lags_one_step(engine):

@@ -260,15 +260,11 @@ class VllmAdapter(KVConnectorAdapter):
         return f"vllm {self.rt.version}"
 
     def base_capabilities(self) -> dict[str, Any]:
-        """Return the capabilities every vLLM adapter shares; no external preempt exists in vLLM. 0.34's scheduler
-        does not preempt a request whose blocks only a deferred free would return (`_request_blocks_can_be_freed`).
-        Before 0.34 a deferred request waits in `skipped_waiting`, which is served before `waiting`; 0.34 leaves it in
-        `waiting` and serves the block holders' `kv_holding_waiting` first (SCHED-ORDER-1)."""
+        """Return the capabilities every vLLM adapter shares; no external preempt exists in vLLM. How each release's
+        scheduler orders, admits and preempts needs no capability: the judge follows the schedule it observes."""
         scheduler = self.rt.sched.Scheduler
         return dict(preemption=False, abort=True, kv_cache_groups=1, reads_kv=True, complete_in_step=True,
-                    reset_connector="reset_connector" in inspect.signature(scheduler.reset_prefix_cache).parameters,
-                    preempt_in_flight=(not hasattr(scheduler, "_request_blocks_can_be_freed"),),
-                    deferred_first=("kv_holding_waiting" not in inspect.getsource(scheduler.__init__),))
+                    reset_connector="reset_connector" in inspect.signature(scheduler.reset_prefix_cache).parameters)
 
     def check_supported(self, config: EngineConfig) -> None:
         """Refuse a configuration outside the capabilities: a factor, policy or behaviour variant it lacks."""
