@@ -153,11 +153,11 @@ class Execution:
                 raise Diverged from violation
             return failure.result
 
-    def expect(self, operation: str, *args: Any) -> Any:
-        """Return the reference's answer to `operation(*args)`, timing it apart from the harness."""
+    def expect(self, operation: str, *args: Any, **keywords: Any) -> Any:
+        """Return the reference's answer to `operation(*args, **keywords)`, timing it apart from the harness."""
         started = time.perf_counter()
         try:
-            return getattr(self.oracle, operation)(*args)
+            return getattr(self.oracle, operation)(*args, **keywords)
         finally:
             self.session.reference_seconds += time.perf_counter() - started
 
@@ -304,8 +304,8 @@ class Execution:
         """Step the reference as the adapter scheduled, taking the adapter's choices where the run knows it deviates,
         and return what the reference observes; each deviation taken is recorded as its known failure (CONF-RUN-2)."""
         self.ctx.followed = schedule_of(actual, [request.request_id for request in self.oracle.engine.running])
-        expected = self.expect("step_following", self.ctx.followed, None,
-                               deviations_of(actual, self.session.baseline.entries.keys(), self.ctx.identity))
+        expected = self.expect("step_following", self.ctx.followed,
+                               deviations=deviations_of(actual, self.session.baseline.entries, self.ctx.identity))
         for clause, what in self.oracle.engine.adopted:
             violation = ClauseViolation(clause, f"adapter.step(): {what}")
             if not self.session.baseline.tolerates(violation):
@@ -384,8 +384,8 @@ def schedule_of(observation: StepObservation, running: Collection[str]) -> Follo
     `running` are the requests running when the step began. Waiting requests were considered in the order they
     were asked for matches or scheduled; one asked but not scheduled (left waiting, or admitted with an asynchronous
     load) shows no place among those resumed after a load, which are not asked, so it is placed as late as the
-    observation allows. A request asked with an asynchronous
-    load was admitted if the step left it with computed tokens or a load job.
+    observation allows. A request asked with an asynchronous load was admitted if the step left it with computed
+    tokens or a load job.
     """
     resumed_or_admitted = [request_id for request_id in observation.scheduled_tokens if request_id not in running]
     loading = {load.request_id for load in observation.loads}
