@@ -375,7 +375,7 @@ class Engine:
                 continue  # the followed scheduler left it waiting
             new_blocks = None
             # SCHED-ADMIT-1: the full sequence must fit, not only the first chunk
-            if self.kv.blocks_to_allocate(request, request.num_tokens, local_blocks) <= self.kv.pool.num_free_blocks:
+            if self.kv.holds_sequence(request, local_blocks):
                 reserved = self._prefill_reservation() if load_async else 0
                 new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external,
                                                     delay_caching=load_async, reserved=reserved)

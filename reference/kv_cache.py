@@ -152,6 +152,11 @@ class KVCacheManager:
             self.cache_blocks(request, min(total_tokens, request.num_tokens))
         return new_blocks
 
+    def holds_sequence(self, request: Request, computed_blocks: list[int]) -> bool:
+        """Return True if the free blocks hold the request's full sequence, less its hit: it may be admitted
+        (SCHED-ADMIT-1)."""
+        return self.blocks_to_allocate(request, request.num_tokens, computed_blocks) <= self.pool.num_free_blocks
+
     def blocks_to_allocate(self, request: Request, num_tokens: int, computed_blocks: list[int]) -> int:
         """Return the free blocks a request takes to hold `num_tokens` tokens: the new blocks it lacks plus the
         free blocks among its hit, which leave the free queue (SCHED-ALLOC-1)."""

@@ -498,8 +498,8 @@ class FirstChunkKVCacheManager(KVCacheManager):
     `scheduler_reserve_full_isl=False`): admission asks for no blocks beyond those allocate_slots takes for the tokens
     scheduled now, and under chunked prefill running requests then preempt each other (SCHED-ADMIT-1)."""
 
-    def blocks_to_allocate(self, request, num_tokens, computed_blocks):
-        return 0
+    def holds_sequence(self, request, computed_blocks):
+        return True
 
 
 class NullBlockCountedEngine(Engine):
