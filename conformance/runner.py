@@ -160,4 +160,4 @@ def _shrunk(session: Session, failing: Replay, profile: Profile) -> Replay:
     """Return the failing program shrunk within the profile's budget (CONF-RUN-3)."""
     if not failing.program:
         return failing
-    return Shrinker(session, session.last_execution.capabilities, profile.shrink_seconds).shrink(failing)
+    return Shrinker(session, session.last_execution.capabilities, profile.shrink_attempts).shrink(failing)
