@@ -20,6 +20,7 @@ Progress = Callable[[str], None]
 UNIT_FORMATS = {
     "steps/s": lambda value: f"{value:,.0f} steps/s",
     "rules/s": lambda value: f"{value:,.0f} rules/s",
+    "rules/CPU-s": lambda value: f"{value:,.0f} rules/CPU-s",
     "examples/s": lambda value: f"{value:,.1f} examples/s",
     "fraction": lambda value: f"{value:.1%}",
     "s": lambda value: f"{value:.2f} s",

@@ -2,13 +2,20 @@
 time to kill the whole mutant catalogue, with each number of workers, in one benchmark run.
 
 Each count of workers runs in a pytest process of its own, started afresh; the speed-ups are the rates at the most
-workers over the rates at the fewest.
+workers over the rates at the fewest. Each figure's note says how many cores the run got (the CPU seconds of the
+pytest process and its workers over the wall-clock seconds): on a machine other processes share, a speed-up short of
+the workers ratio with fewer cores than workers is the machine's, not the kit's.
+
+The catalogue's mutants take from a fraction of a second to half a minute each (`ci`), so its tests are spread by
+work stealing (`--dist worksteal`): a worker that runs out takes tests queued for the other, rather than idling
+while the other works through its queue.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -37,8 +44,14 @@ class WorkersSettings:
 @dataclass(frozen=True)
 class PytestRun:
     seconds: float
+    cpu_seconds: float
+    """CPU time of the pytest process and its workers."""
     passed: bool
     report: dict | None
+
+    @property
+    def cores(self) -> str:
+        return f"{self.cpu_seconds / self.seconds:.2f} cores used"
 
 
 def measure(settings: WorkersSettings, progress: Progress) -> list[Figure]:
@@ -47,13 +60,15 @@ def measure(settings: WorkersSettings, progress: Progress) -> list[Figure]:
     for workers in settings.workers:
         progress(f"{NAME}: state machine, reference adapter, profile {settings.profile}, {workers} worker(s)")
         run = _state_machine(settings, workers)
-        parts = run.report["shards"]
-        rates[workers] = (run.report["examples"] / max(part["seconds"] for part in parts),
-                          f"{run.report['examples']} examples, {run.seconds:.1f} s with the workers' start")
+        parts = [part["seconds"] for part in run.report["shards"]]
+        rates[workers] = (run.report["examples"] / max(parts),
+                          f"{run.report['examples']} examples, parts of {' / '.join(f'{part:.1f}' for part in parts)} s, "
+                          f"{run.seconds:.1f} s with the workers' start, {run.cores}")
     for workers in settings.workers:
         progress(f"{NAME}: {len(settings.mutants)} mutants, profile {settings.catalogue_profile}, {workers} worker(s)")
         run = _catalogue(settings, workers)
-        kills[workers] = (run.seconds, "every mutant killed" if run.passed else "NOT every mutant was killed")
+        kills[workers] = (run.seconds, ("every mutant killed" if run.passed else "NOT every mutant was killed")
+                          + f", {run.cores}")
     fewest, most = min(settings.workers), max(settings.workers)
     figures = [Figure(benchmark=NAME, figure=f"state machine examples/s, {workers} worker(s)", value=rate,
                       unit="examples/s", note=note) for workers, (rate, note) in rates.items()]
@@ -77,21 +92,28 @@ def _state_machine(settings: WorkersSettings, workers: int) -> PytestRun:
                                               "--kv-database=none", f"--kv-report={path}"], {})
         if not path.exists():
             raise RuntimeError(f"the state-machine run with {workers} worker(s) wrote no report")
-        return PytestRun(run.seconds, run.passed, json.loads(path.read_text()))
+        return PytestRun(run.seconds, run.cpu_seconds, run.passed, json.loads(path.read_text()))
 
 
 def _catalogue(settings: WorkersSettings, workers: int) -> PytestRun:
     with tempfile.TemporaryDirectory(prefix="kvconform-bench-") as folder:
-        return _pytest(Path(folder), workers, [catalogue_suite.__file__],
+        return _pytest(Path(folder), workers, ["--dist", "worksteal", catalogue_suite.__file__],
                        {catalogue_suite.PROFILE_VARIABLE: settings.catalogue_profile,
                         catalogue_suite.MUTANTS_VARIABLE: ",".join(settings.mutants)})
 
 
 def _pytest(folder: Path, workers: int, arguments: list[str], environment: dict[str, str]) -> PytestRun:
-    """Run pytest under `workers` xdist workers in a process of its own; return its wall-clock time and verdict."""
-    started = time.perf_counter()
+    """Run pytest under `workers` xdist workers in a process of its own; return its wall-clock and CPU time and
+    verdict."""
+    started, cpu_started = time.perf_counter(), _children_cpu_seconds()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(workers), *isolated(folder), *arguments],
                           capture_output=True, text=True, cwd=folder, env={**os.environ, **environment})
     if done.returncode not in (0, 1):
         raise RuntimeError(f"pytest with {workers} worker(s) ended with status {done.returncode}: {done.stdout[-2000:]}")
-    return PytestRun(time.perf_counter() - started, done.returncode == 0, None)
+    return PytestRun(time.perf_counter() - started, _children_cpu_seconds() - cpu_started, done.returncode == 0, None)
+
+
+def _children_cpu_seconds() -> float:
+    """Return the CPU time of the child processes that ended so far, theirs included (the workers of a pytest run)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

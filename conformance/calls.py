@@ -36,9 +36,6 @@ RETURNS: dict[str, type] = {
 }
 """What each contract method returns; the others return nothing the harness reads."""
 
-STATE_CHANGING = frozenset({"start", "add_request", "step", "complete_transfers", "abort", "preempt", "reset_prefix_cache"})
-"""The contract methods that change the engine: a counterexample is a program of these calls."""
-
 
 class AdapterHung(BaseException):
     """A call did not return in time: its outcome is unknown (CONF-CALL-2).
@@ -62,26 +59,18 @@ class AdapterCaller:
         self.timeout = timeout
         self.config: EngineConfig | None = None
         self.trace: list[str] = []
-        self.program: list[str] = []
-        self.last_observation: str | None = None
         self.hung = False
         self.seconds = 0.0
 
     def build(self, factory: Callable[[], KVConnectorAdapter]) -> KVConnectorAdapter:
         """Build the adapter under the failure rules of any call (CONF-CALL-1) but without the call timeout: building
         may import a whole engine (vLLM: 26 – 99 s measured on a busy 2-core machine), which is no hang (CONF-CALL-2)."""
-        self.last_observation = "adapter = factory()"
-        self.adapter = self._invoke(self.last_observation, factory, timed=False)
+        self.adapter = self._invoke("adapter = factory()", factory, timed=False)
         return self.adapter
 
     def __call__(self, operation: str, *args: Any) -> Any:
         """Return the adapter's validated answer to `operation(*args)` (CONF-CALL-1, CONF-CALL-2, CONF-OBS-1)."""
         call = f"adapter.{operation}({', '.join(map(repr, args))})"
-        if operation in STATE_CHANGING:
-            self.program.append(call)
-            self.last_observation = None
-        elif operation != "close":  # teardown's close comes after the failure, not before it
-            self.last_observation = call
         value = self._invoke(call, lambda: getattr(self.adapter, operation)(*args))
         if operation == "start":
             self.config = args[0]
@@ -104,10 +93,6 @@ class AdapterCaller:
                                   adapter_traceback="".join(traceback.format_exception(error))) from error
         finally:
             self.seconds += time.perf_counter() - started
-
-    def counterexample(self) -> str:
-        """Return the state-changing calls made so far, then the last call if it only observed: a replayable program."""
-        return "\n".join([*self.program, *filter(None, [self.last_observation])])
 
     def validated(self, call: str, operation: str, value: Any) -> Any:
         """Return `value` if it is what the contract says `operation` returns, else fail CONF-OBS-1."""

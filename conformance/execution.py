@@ -12,7 +12,8 @@ the adapter did (`schedule_of`) and so knows what the connector and the store mu
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -112,6 +113,9 @@ class Session:
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
     checks_seconds: float = 0.0
+    execution_seconds: float = 0.0
+    """Time spent building adapters and running programs' calls, engines and checks included (`Execution.executing`):
+    the rest of a run is Hypothesis's rule selection, draws and preconditions, and the state machine's own code."""
     last_execution: Execution | None = None
 
 
@@ -163,16 +167,27 @@ class Execution:
 
     def begin(self) -> Capabilities:
         """Build the adapter and return what it claims to support (CONF-CAP-1)."""
-        self.caller.build(self.session.adapter_factory)
-        self.capabilities = self.call("capabilities")
-        if "offloading" in self.capabilities.levels:
-            self.oracle = ReferenceAdapter()
+        with self.executing():
+            self.caller.build(self.session.adapter_factory)
+            self.capabilities = self.call("capabilities")
+            if "offloading" in self.capabilities.levels:
+                self.oracle = ReferenceAdapter()
         return self.capabilities
 
     def close(self) -> None:
-        if self.caller.adapter is not None and not self.caller.hung:
-            self.call("close")
+        with self.executing():
+            if self.caller.adapter is not None and not self.caller.hung:
+                self.call("close")
         self.session.adapter_seconds += self.caller.seconds
+
+    @contextmanager
+    def executing(self) -> Iterator[None]:
+        """Count the time of the block as running the program (`Session.execution_seconds`)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.session.execution_seconds += time.perf_counter() - started
 
     # --- what the engine's state allows ----------------------------------------------------------
 
@@ -202,7 +217,8 @@ class Execution:
         """Run `call` on the reference and the adapter and judge the answers; raise ClauseViolation on a failure."""
         self.program.append(call)
         try:
-            getattr(self, f"_{call.operation}")(*call.args)
+            with self.executing():
+                getattr(self, f"_{call.operation}")(*call.args)
         except BaseException as error:
             self.failed = True
             if isinstance(error, ClauseViolation) and self.session.failing_example is None:

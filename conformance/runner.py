@@ -48,6 +48,8 @@ class RunResult:
     adapter_seconds: float = 0.0
     reference_seconds: float = 0.0
     checks_seconds: float = 0.0
+    execution_seconds: float = 0.0
+    """Time spent running calls (adapter, reference, checks and the kit's handling of calls); the rest is Hypothesis's."""
     coverage: dict[str, int] = field(default_factory=dict)
     failed_clause: str | None = None
     message: str | None = None
@@ -130,7 +132,7 @@ def run(
     if session.last_execution is not None:
         result.levels = session.last_execution.capabilities.levels
     result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
-    result.checks_seconds = session.checks_seconds
+    result.checks_seconds, result.execution_seconds = session.checks_seconds, session.execution_seconds
     return result
 
 
@@ -161,4 +163,4 @@ def _shrunk(session: Session, failing: Replay, profile: Profile) -> Replay:
     """Return the failing program shrunk within the profile's budget (CONF-RUN-3)."""
     if not failing.program:
         return failing
-    return Shrinker(session, session.last_execution.capabilities, profile.shrink_seconds).shrink(failing)
+    return Shrinker(session, session.last_execution.capabilities, profile.shrink_attempts).shrink(failing)

@@ -2,9 +2,13 @@
 
 Hypothesis finds the failing program; the shrinker then edits the program itself. Each candidate is run
 by a fresh `Execution`, with no Hypothesis draws in the way: a replay costs what its engine steps cost.
-Edits, tried until none helps or the time budget is spent: drop a whole request (its `add_request` and
-every call naming it), drop runs of calls (halving their length down to single calls), and simplify
+Edits, tried until none helps or the profile's attempts are spent: drop a whole request (its `add_request`
+and every call naming it), drop runs of calls (halving their length down to single calls), and simplify
 values (shorter prompts, one output token, no flags or tenant, the plainest engine configuration).
+
+The budget is a number of replays, not seconds, so that the counterexample a run reports is the same on a
+busy machine as on an idle one. A wall-clock cap stays as a last resort, for adapters whose replays are so
+slow that the attempts would take hours; a shrink it cuts short says so in its message.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Replay, Session, replay
+
+SAFETY_CAP_SECONDS = 600.0
+"""The last resort: a shrink stops after this long whatever attempts are left, and its message says it was cut short."""
 
 ROOMY_CONFIG = {"num_gpu_blocks": 64, "num_offload_blocks": 12, "max_num_batched_tokens": 256}
 """Engine settings under which nothing has to be preempted, evicted or chunked: the simplest there are."""
@@ -37,9 +44,11 @@ class Failure:
 class Shrinker:
     """Shrinks programs of one session's adapter, keeping the failure they show."""
 
-    def __init__(self, session: Session, capabilities: Capabilities, seconds: float) -> None:
+    def __init__(self, session: Session, capabilities: Capabilities, attempts: int,
+                 cap_seconds: float = SAFETY_CAP_SECONDS) -> None:
         self.session = session
-        self.deadline = time.perf_counter() + seconds
+        self.attempts = attempts
+        self.cap_seconds = cap_seconds
         self.replays = 0
         self.plain_config = {
             **ROOMY_CONFIG,
@@ -49,25 +58,32 @@ class Shrinker:
         }
 
     def replay(self, program: list[Call]) -> Replay:
+        """Run `program` afresh; every replay counts against the attempts budget."""
         self.replays += 1
         return replay(self.session, program)
 
     def shrink(self, failing: Replay) -> Replay:
-        """Return the smallest program found within the time budget that fails as `failing` does.
+        """Return the smallest program found within the attempts budget that fails as `failing` does.
 
-        A program that does not fail the same way when replayed is returned as it is, and its message says so.
+        A program that does not fail the same way when replayed is returned as it is, and its message says so;
+        so is a shrink the safety cap cut short.
         """
         failure, best = Failure.of(failing.violation), failing
+        cap = time.perf_counter() + self.cap_seconds
         again = self.replay(failing.program).violation
         if again is None or Failure.of(again) != failure:
             failing.violation.detail += " (replaying this program did not fail the same way: the adapter is not deterministic)"
             return failing
         progress = True
-        while progress and time.perf_counter() < self.deadline:
+        while progress and self.replays < self.attempts:
             progress = False
             for candidate in self.candidates(best.program):
-                if time.perf_counter() >= self.deadline:
+                if self.replays >= self.attempts:
                     break
+                if time.perf_counter() >= cap:
+                    best.violation.detail += (f" (shrinking stopped at the {self.cap_seconds:g} s safety cap after "
+                                              f"{self.replays} of {self.attempts} replays: a smaller program may fail too)")
+                    return best
                 replay = self.replay(candidate)
                 if replay.violation is not None and Failure.of(replay.violation) == failure and \
                         size(replay.program) < size(best.program):

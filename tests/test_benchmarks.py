@@ -40,7 +40,7 @@ COUNTS = {"requests", "fraction"}
 @pytest.fixture
 def tiny_bench(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shrink every benchmark, and add a mutant that fails at its third step so a counterexample comes fast."""
-    monkeypatch.setitem(PROFILES, "bench-test", Profile(max_examples=3, stateful_step_count=8, shrink_seconds=5,
+    monkeypatch.setitem(PROFILES, "bench-test", Profile(max_examples=3, stateful_step_count=8, shrink_attempts=50,
                                                         derandomize=True))
     monkeypatch.setitem(MUTANTS, "step-raises", Mutant(faulty("step", raising), "test", ("CONF-CALL-1",)))
     monkeypatch.setattr(suite, "Settings", functools.partial(suite.Settings, **TINY))

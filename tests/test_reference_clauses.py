@@ -1117,7 +1117,7 @@ def test_configs_within_capabilities(data):
 
 def test_programs_do_not_depend_on_imports(monkeypatch, tmp_path):
     """CONF-RUN-4: importing a local module full of constants does not change what a derandomised run draws."""
-    monkeypatch.setitem(PROFILES, "short", Profile(max_examples=5, stateful_step_count=20, shrink_seconds=1,
+    monkeypatch.setitem(PROFILES, "short", Profile(max_examples=5, stateful_step_count=20, shrink_attempts=10,
                                                    derandomize=True))
     def drawn():
         result = runner.run(ReferenceAdapter, "reference", "short")

@@ -9,7 +9,7 @@ from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance import runner
 from kvconform.conformance.execution import Call, Session
 from kvconform.conformance.mutants import MUTANTS
-from kvconform.conformance.shrinker import Failure, Shrinker
+from kvconform.conformance.shrinker import Failure, Shrinker, size
 
 PROMPT = (0, 2, 0, 2) * 3
 CONFIG = EngineConfig(num_gpu_blocks=16, block_size_factor=3, num_offload_blocks=4, eviction_policy="arc",
@@ -32,7 +32,7 @@ def seed_scenario(noise: int) -> list[Call]:
 def test_shrunk_program_fails_the_same_way() -> None:
     """CONF-RUN-3: the shrunk program is smaller, plainer, and fails with the same clause when replayed."""
     session = Session(MUTANTS["skip-flag-ignored"].adapter)
-    shrinker = Shrinker(session, Capabilities(), seconds=60)
+    shrinker = Shrinker(session, Capabilities(), attempts=1000)
     found = shrinker.replay(seed_scenario(noise=4))
     assert Failure.of(found.violation) == Failure("OFF-READ-1")
     shrunk = shrinker.shrink(found)
@@ -44,9 +44,34 @@ def test_shrunk_program_fails_the_same_way() -> None:
 def test_shrinking_keeps_to_the_capabilities() -> None:
     """CONF-RUN-3: simplified engine settings stay within the adapter's capabilities and the run's scheduling."""
     session = Session(MUTANTS["skip-flag-ignored"].adapter, scheduling="async")
-    shrinker = Shrinker(session, Capabilities(block_size_factors=(3,), eviction_policies=("arc",)), seconds=60)
+    shrinker = Shrinker(session, Capabilities(block_size_factors=(3,), eviction_policies=("arc",)), attempts=1000)
     config = shrinker.shrink(shrinker.replay(seed_scenario(noise=1))).program[0].args[0]
     assert (config.block_size_factor, config.eviction_policy, config.async_scheduling) == (3, "arc", True)
+
+
+def test_budget_is_a_count_of_replays() -> None:
+    """CONF-RUN-3: the shrinker stops after the profile's number of replays, so a budget shrinks alike on any machine;
+    a larger budget shrinks further."""
+    session = Session(MUTANTS["skip-flag-ignored"].adapter)
+
+    def shrunk(attempts: int) -> tuple[list[Call], int]:
+        shrinker = Shrinker(session, Capabilities(), attempts=attempts)
+        return shrinker.shrink(shrinker.replay(seed_scenario(noise=4))).program, shrinker.replays
+
+    (few, replays), (again, _), (more, _) = shrunk(6), shrunk(6), shrunk(1000)
+    assert replays == 6
+    assert few == again
+    assert size(more) < size(few)
+
+
+def test_safety_cap_cuts_shrinking_short_and_says_so() -> None:
+    """CONF-RUN-3: past the wall-clock safety cap the shrinker returns what it has, and the message says so."""
+    session = Session(MUTANTS["skip-flag-ignored"].adapter)
+    shrinker = Shrinker(session, Capabilities(), attempts=1000, cap_seconds=0)
+    found = shrinker.replay(seed_scenario(noise=4))
+    shrunk = shrinker.shrink(found)
+    assert shrunk.program == found.program
+    assert "safety cap" in shrunk.violation.detail, shrunk.violation.detail
 
 
 class FailsOnlyOnce(ReferenceAdapter):

@@ -578,7 +578,11 @@ class Mutant:
     The first clause is the one the bug violates. The others are where the same bug can show first, as a
     consequence the kit sees earlier: a key collision makes the store skip a write (OFF-STORE-3), hold or
     evict other blocks than the reference's (OFF-MGR-1, OFF-LRU-1, OFF-ARC-1) or answer another tenant's
-    lookup (CONN-MATCH-1) before that tenant loads the block (OFF-KEY-2); a changed order of admission shows
+    lookup (CONN-MATCH-1), or look up past that tenant's first miss (OFF-LOOKUP-2), before that tenant loads the
+    block (OFF-KEY-2); a store a connector reset kept (OFF-MGR-8, judged only through what follows) holds blocks
+    the reference's no longer does (OFF-MGR-1), answers hits on them (CONN-MATCH-1) or evicts other victims
+    (OFF-LRU-1, OFF-ARC-1), and a request loading a prefix the reference computes leaves the next request of the
+    step without the local hit it has in the reference (PFX-HIT-1, compared before the answers); a changed order of admission shows
     as requests scheduled in another order (SCHED-ORDER-1), or, when a request left behind cannot fit at all,
     in the schedule (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show
     as a missing release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak
@@ -644,7 +648,7 @@ MUTANTS = {
     "load-offset-ignored": row(LoadOffsetIgnoredConnector, "#28951", "XFER-DATA-1"),
     "evicts-kept-keys": row(EvictsKeptKeysManager, "#35846", "OFF-MGR-7", "OFF-STORE-3", "OFF-LRU-1", "OFF-ARC-1"),
     "reset-keeps-store": row(ResetKeepsStoreManager, "OffloadingManager.reset contract", "OFF-MGR-8",
-                             "OFF-STORE-3"),
+                             "OFF-STORE-3", "OFF-MGR-1", "CONN-MATCH-1", "OFF-LRU-1", "OFF-ARC-1", "PFX-HIT-1"),
     "evicts-pinned": row(EvictsPinnedManager, "cpu/manager.py contract", "OFF-MGR-3"),
     "arc-touch-unknown-key": row(UnknownKeyRaisesManager, "#34576", "OFF-MGR-4", "CONF-CALL-1"),
     "decoded-blocks-not-offloaded": row(DecodedBlocksNotOffloadedConnector, "#33881",
@@ -656,7 +660,7 @@ MUTANTS = {
                                      "SCHED-ORDER-1", "LIFE-LIVE-1", "SCHED-STEP-2", "OFF-MGR-1"),
     "tenantless-offload-key": row(TenantlessKeyConnector, "#44701",
                                   "OFF-KEY-2", "CONN-MATCH-1", "OFF-STORE-3", "OFF-STORE-1", "OFF-MGR-1",
-                                  "OFF-LRU-1", "OFF-ARC-1"),
+                                  "OFF-LRU-1", "OFF-ARC-1", "OFF-LOOKUP-2"),
     "storing-counts-as-miss": row(StoringCountsAsMissManager, "offloading scheduler contract",
                                   "OFF-LOOKUP-3", "CONN-MATCH-1", "OFF-LOOKUP-1"),
     "lookup-from-start": row(LookupFromStartConnector, "offloading scheduler contract", "OFF-LOOKUP-1"),
