@@ -302,6 +302,27 @@ def variants(adapter) -> dict[str, bool]:
     return {name: getattr(capabilities, name)[0] for name in VARIANTS}
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_a_store_queued_at_a_finish_is_named_after_the_request_that_finished() -> None:
+    """OFF-STORE-2: simple-cpu names the block of a store queued at a request's finish after that request, not after
+    an earlier finished request whose store state vLLM still keeps and whose freed GPU block the new request took
+    (`--profile dev --seed 4` on 0.34.0 found the adapter naming r3's block 0 as r2's block 1)."""
+    adapter = adapter_class("simple-cpu")()
+    if True not in adapter.capabilities().offer_at_finish:
+        pytest.skip(f"the SimpleCPUOffloadConnector of vLLM {VERSION} stores nothing at a finish")
+    adapter.start(EngineConfig(block_size=4, num_gpu_blocks=64, block_size_factor=1, num_offload_blocks=12,
+                               **variants(adapter)))
+    adapter.add_request(RequestSpec(request_id="r2", prompt=(0, 2, 0, 2), max_tokens=4))
+    for _ in range(4):
+        adapter.step()
+    adapter.add_request(RequestSpec(request_id="r3", prompt=(1, 0, 3, 2)))
+    adapter.step()
+    stores = adapter.step().stores
+    adapter.close()
+    assert stores == (StoreJob(request_id="r3", offload_indices=(0,)),), stores
+
+
 @pytest.mark.long
 @pytest.mark.vllm
 @needs_vllm

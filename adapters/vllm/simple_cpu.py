@@ -279,13 +279,17 @@ class VllmSimpleCPUAdapter(VllmAdapter):
     def store_refs(self, gpu_blocks: list[int]) -> list[BlockRef]:
         """Name the GPU blocks of a store event by the request block each holds; a block that several requests hold
         (a prefix hit) is named after the request whose offer of this step covers it, and a block of a request
-        that has finished since, after that request."""
+        that has finished since, after that request. A finished request whose stores are in flight keeps its store
+        state, block list included, but its other blocks are free and may hold another request's by now: its blocks
+        are named from its finish (`block_owner`), not from that state."""
         owner = {}
         for offer in self.record["offers"]:
             state = self.manager._reqs_to_store.get(offer.request_id)
             for index in offer.offload_indices if state is not None else ():
                 owner.setdefault(state.block_ids[0][index], BlockRef(request_id=offer.request_id, index=index))
         for request_id, state in self.manager._reqs_to_store.items():
+            if state.request.is_finished():
+                continue
             for position, block in enumerate(state.block_ids[0]):
                 owner.setdefault(block, BlockRef(request_id=request_id, index=position))
         self.block_owner.update(owner)
