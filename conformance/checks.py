@@ -370,7 +370,8 @@ def check_running_first(ctx: Context, ref: StepObservation, sut: StepObservation
     admitted = sorted(ctx.followed.admitted)
     if running and admitted:
         ctx.exercise("SCHED-ORDER-1")
-    late = [r for position, r in enumerate(scheduled) if r in running and set(scheduled[:position]) - running]
+    first_waiting = next((position for position, r in enumerate(scheduled) if r not in running), len(scheduled))
+    late = [r for r in scheduled[first_waiting:] if r in running]
     if late:
         raise ClauseViolation("SCHED-ORDER-1", f"running requests {late} were scheduled after waiting ones: "
                                                f"scheduled in the order {scheduled}")
