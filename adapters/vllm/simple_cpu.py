@@ -154,8 +154,10 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         self.origin: dict[bytes, BlockRef] = {}
         self.storing: dict[int, list[BlockRef]] = {}
         self.block_owner: dict[int, BlockRef] = {}
-        """GPU block → the request block it held when last seen, by a store or at its request's finish: 0.34 stores a
-        finished request's last blocks at the next step, when the manager no longer tracks the request."""
+        """GPU block → the request block it held when a store last read it."""
+        self.finished_blocks: dict[str, list[int]] = {}
+        """A finished request's GPU blocks at its finish: 0.32+ stores its last blocks at the next step, when the
+        manager no longer tracks the request, or tracks it with blocks that are free by then."""
         self.finish_offers: list[StoreJob] = []
         """Blocks queued at a request's finish, offered (and stored) with the next step's store event."""
         self.loads_in_flight: dict[str, LoadJob] = {}
@@ -196,8 +198,7 @@ class VllmSimpleCPUAdapter(VllmAdapter):
             result = original_finished(request, block_ids)
             made_room = self.record["evicted"][evicted:]
             del self.record["evicted"][evicted:]
-            for position, block in enumerate(block_ids[0]):
-                self.block_owner[block] = BlockRef(request_id=request.request_id, index=position)
+            self.finished_blocks[request.request_id] = list(block_ids[0])
             for transfer in pending[queued:]:
                 positions = tuple(block_ids[0].index(block) for block in transfer.gpu_block_ids)
                 self.finish_offers.append(StoreJob(request_id=request.request_id, offload_indices=positions,
@@ -278,22 +279,25 @@ class VllmSimpleCPUAdapter(VllmAdapter):
 
     def store_refs(self, gpu_blocks: list[int]) -> list[BlockRef]:
         """Name the GPU blocks of a store event by the request block each holds; a block that several requests hold
-        (a prefix hit) is named after the request whose offer of this step covers it, and a block of a request
-        that has finished since, after that request. A finished request whose stores are in flight keeps its store
-        state, block list included, but its other blocks are free and may hold another request's by now: its blocks
-        are named from its finish (`block_owner`), not from that state."""
+        (a prefix hit) is named after the request whose offer of this step covers it, be it a running request's or
+        one queued at a finish. A finished request whose stores are in flight keeps its store state, block list
+        included, but its blocks are free and may hold another request's by now: a finished request's blocks are
+        those it held at its finish (`finished_blocks`), not that state's."""
         owner = {}
         for offer in self.record["offers"]:
-            state = self.manager._reqs_to_store.get(offer.request_id)
-            for index in offer.offload_indices if state is not None else ():
-                owner.setdefault(state.block_ids[0][index], BlockRef(request_id=offer.request_id, index=index))
-        for request_id, state in self.manager._reqs_to_store.items():
-            if state.request.is_finished():
-                continue
-            for position, block in enumerate(state.block_ids[0]):
+            blocks = self.live_blocks(offer.request_id) or self.finished_blocks[offer.request_id]
+            for index in offer.offload_indices:
+                owner.setdefault(blocks[index], BlockRef(request_id=offer.request_id, index=index))
+        for request_id in self.manager._reqs_to_store:
+            for position, block in enumerate(self.live_blocks(request_id)):
                 owner.setdefault(block, BlockRef(request_id=request_id, index=position))
         self.block_owner.update(owner)
         return [self.block_owner[block] for block in gpu_blocks]
+
+    def live_blocks(self, request_id: str) -> list[int]:
+        """Return the GPU blocks of a request the eager store tracks and that has not finished, else none."""
+        state = self.manager._reqs_to_store.get(request_id)
+        return [] if state is None or state.request.is_finished() else state.block_ids[0]
 
     def observe_connector(self, observation: dict[str, Any]) -> None:
         record, self.record = self.record, self.empty_record()
