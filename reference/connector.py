@@ -309,7 +309,7 @@ class OffloadConnectorScheduler:
             self.recorder.offer_evictions.append(list(prepared.evicted) if prepared is not None else [])
             if prepared is None:
                 continue
-            if set(prepared.evicted) != set(prepared.policy_victims):
+            if prepared.policy_victims is None or set(prepared.evicted) != set(prepared.policy_victims):
                 self.recorder.adopted.append(("OFF-LRU-1" if self.config.eviction_policy == "lru" else "OFF-ARC-1",
                                               f"{request_id!r}'s store offer evicted {len(prepared.evicted)} other "
                                               f"block(s) than the policy picks"))

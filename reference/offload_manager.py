@@ -34,8 +34,9 @@ class PrepareStoreOutput:
     keys_to_store: list[OffloadKey]
     slots: list[int]
     evicted: list[OffloadKey]
-    policy_victims: list[OffloadKey] = field(default_factory=list)
-    """The blocks the eviction policy picked; other than `evicted` when the caller's victims were taken instead."""
+    policy_victims: list[OffloadKey] | None = field(default_factory=list)
+    """The blocks the eviction policy picked, None where it found too few; other than `evicted` when the caller's
+    victims were taken instead."""
 
 
 @dataclass
@@ -243,19 +244,22 @@ class OffloadManager:
                       victims: Sequence[OffloadKey] | None = None) -> PrepareStoreOutput | None:
         """Reserve slots for the keys not yet held, evicting idle unprotected blocks (OFF-MGR-5, OFF-MGR-7).
 
-        `victims`, when they are as many idle unprotected blocks as the policy would evict, are evicted instead of
-        the policy's (a known deviation of the engine under test, followed so the example goes on)."""
+        `victims`, when they are as many idle unprotected blocks as the store is short of, are evicted instead of the
+        policy's, also where the policy finds too few (a known deviation of the engine under test, followed so the
+        example goes on)."""
         to_store = [key for key in keys if self.policy.get(key) is None]
         evicted: list[OffloadKey] = []
-        policy_victims: list[OffloadKey] = []
+        policy_victims: list[OffloadKey] | None = []
         shortfall = len(to_store) - len(self.free_slots)
         if to_store and shortfall > 0:
-            if shortfall > self.num_evictable:
+            policy_victims = (self.policy.choose(shortfall, protected=set(keys))
+                              if shortfall <= self.num_evictable else None)
+            if victims is not None and self._evictable(victims, keys, shortfall):
+                evicted = list(victims)
+            elif policy_victims is None:
                 return None
-            policy_victims = self.policy.choose(shortfall, protected=set(keys))
-            if policy_victims is None:
-                return None
-            evicted = list(victims) if victims is not None and self._evictable(victims, keys, shortfall) else policy_victims
+            else:
+                evicted = policy_victims
             freed = self.policy.evict(evicted)
             self.num_evictable -= len(freed)
             self.free_slots.extend(block.slot for _, block in freed)

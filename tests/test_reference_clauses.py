@@ -396,6 +396,23 @@ def test_arc_evict_is_atomic():
     assert list(policy.t1) == [K[0], K[1]] and not policy.b1
 
 
+def test_followed_victims_are_taken_where_the_arc_policy_finds_too_few():
+    """CONF-RUN-2: victims of a known OFF-ARC-1 deviation are taken also where the spec's ARC finds none (T1 under
+    its target, T2's only block pinned by a load, as vLLM 0.32's ARC falls back to T1): the store goes on, and the
+    output says the policy found none, so the deviation is recorded; victims that are not idle are not taken."""
+    manager = OffloadManager(2, "arc")
+    stored(manager, K[0], K[1])
+    stored(manager, K[2])
+    manager.touch([K[0]])
+    manager.touch([K[0]])  # two B1 ghost hits: T1's target is 2
+    manager.touch([K[1]])  # K1 to T2
+    manager.prepare_load([K[1]])
+    assert manager.prepare_store([K[3]]) is None
+    assert manager.prepare_store([K[3]], victims=[K[1]]) is None
+    taken = manager.prepare_store([K[3]], victims=[K[2]])
+    assert taken.evicted == [K[2]] and taken.keys_to_store == [K[3]] and taken.policy_victims is None
+
+
 # --- connector -----------------------------------------------------------------------------------
 
 
