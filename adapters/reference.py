@@ -90,6 +90,7 @@ class ReferenceAdapter(KVConnectorAdapter):
                                  for r, i in trace.flushed_stores),
             touches=tuple(BlockRef.model_construct(request_id=r, index=i) for r, i in trace.touches),
             preempted=tuple(sorted(result.preempted)),
+            promoted=dict(trace.promoted),
             finished=tuple(result.finished),
             freed=tuple(result.freed),
             forward_writes=frozenset(result.forward_writes),

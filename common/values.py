@@ -115,6 +115,12 @@ class StepObservation(_Frozen):
     evicted: tuple[BlockRef, ...] = Field((), description="blocks the store evicted in this step (OFF-LRU-1, OFF-ARC-1)")
     preempted: tuple[str, ...] = Field((), description="running requests the scheduler preempted in this step to make "
                                                        "room (SCHED-PREEMPT-1)")
+    promoted: dict[str, NonNegativeInt] = Field(default_factory=dict, description="waiting requests whose finished "
+                                                "load the scheduler took up in this step, scheduled or not (their "
+                                                "loaded blocks cached, or freed after a failure: LIFE-LOAD-1, "
+                                                "LIFE-LOAD-3), in order, each with the number of match_answers the "
+                                                "step had given before: its place in the order the scheduler "
+                                                "considered waiting requests (SCHED-ORDER-1)")
     finished: tuple[str, ...] = Field((), description="requests that finished in this step (LIFE-FIN-1)")
     freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
     forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")

@@ -398,27 +398,23 @@ def schedule_of(observation: StepObservation, running: Collection[str]) -> Follo
     """Return the scheduling choices an adapter's step shows, for the reference to follow (SCHED-STEP-2).
 
     `running` are the requests running when the step began. Waiting requests were considered in the order they
-    were asked for matches or scheduled; one asked but not scheduled (left waiting, or admitted with an asynchronous
-    load) shows no place among those resumed after a load, which are not asked, so it is placed as late as the
-    observation allows. A request asked with an asynchronous load was admitted if the step left it with computed
-    tokens or a load job.
+    were asked for matches, or taken up after their load (`promoted`, each placed after the answers given before
+    it), scheduled or not; a request scheduled that was neither had been taken up in an earlier step and held its
+    blocks since, so it came first (SCHED-ORDER-1). A request asked with an asynchronous load was admitted if the
+    step left it with computed tokens or a load job.
     """
     resumed_or_admitted = [request_id for request_id in observation.scheduled_tokens if request_id not in running]
     loading = {load.request_id for load in observation.loads}
     admitted = set(resumed_or_admitted) | {
         answer.request_id for answer in observation.match_answers
         if answer.load_async and (observation.computed_tokens.get(answer.request_id, 0) or answer.request_id in loading)}
-    considered: list[str] = []
-    left_waiting: list[str] = []
-    for answer in observation.match_answers:
-        if answer.request_id not in resumed_or_admitted:
-            left_waiting.append(answer.request_id)
-            continue
-        position = resumed_or_admitted.index(answer.request_id)
-        considered += [r for r in resumed_or_admitted[:position] if r not in considered] + left_waiting
-        considered.append(answer.request_id)
-        left_waiting = []
-    considered += [r for r in resumed_or_admitted if r not in considered] + left_waiting
+    asked = {answer.request_id for answer in observation.match_answers}
+    considered = [r for r in resumed_or_admitted if r not in asked and r not in observation.promoted]
+    for index, answer in enumerate((*observation.match_answers, None)):
+        considered += [request_id for request_id, answers_before in observation.promoted.items()
+                       if answers_before == index or (answer is None and answers_before > index)]
+        if answer is not None and answer.request_id not in considered:  # else a failed load, asked when taken up
+            considered.append(answer.request_id)
     return FollowedSchedule(scheduled_tokens=dict(observation.scheduled_tokens), considered=tuple(considered),
                             admitted=frozenset(admitted), preempted=frozenset(observation.preempted))
 

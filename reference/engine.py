@@ -117,7 +117,8 @@ class Engine:
         self.resumed: list[str] = []
         """Block holders that the latest step ran (SCHED-ORDER-1)."""
         self.ready_holders: list[str] = []
-        """Block holders whose load had ended when the latest step began admitting, in order (SCHED-ORDER-1)."""
+        """Block holders whose load had ended when the latest step began admitting, taken up or not, in order
+        (SCHED-ORDER-1)."""
         self.running_at_schedule: list[str] = []
         """The requests running when the latest step began scheduling, in order (SCHED-ORDER-1)."""
         self.refused: list[tuple[str, str]] = []
@@ -342,8 +343,9 @@ class Engine:
         """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1);
         following, those the followed scheduler considered, in its order, admitting those it admitted."""
         self.order_waiting()
-        self.ready_holders = [request.request_id for request in self.waiting
-                              if request.request_id in self.holders and request.request_id in self.loads_done]
+        self.ready_holders = [request.request_id for request in self.waiting if request.request_id in self.holders
+                              and (request.request_id in self.loads_done
+                                   or request.status is not RequestStatus.WAITING_FOR_LOAD)]
         if followed is None:
             queue = list(self.waiting)
         else:
@@ -420,6 +422,7 @@ class Engine:
     def _finish_load(self, request: Request, success: bool) -> None:
         """Cache a finished load's blocks, or after a failure those of the local hit the request fell back to
         (LIFE-LOAD-1, LIFE-LOAD-2, LIFE-LOAD-3)."""
+        self.recorder.promoted[request.request_id] = len(self.recorder.answers)
         if not success and request.num_computed_tokens == 0:
             self.kv.free(request.request_id)  # nothing was hit: admitted afresh, with no reservation of its own
             self.inflight_prefills.discard(request.request_id)

@@ -22,6 +22,8 @@ class StepRecorder:
     completed_stores: list[tuple[str, list[int]]] = field(default_factory=list)
     flushed_stores: list[tuple[str, list[int]]] = field(default_factory=list)
     touches: list[tuple[str, int]] = field(default_factory=list)
+    promoted: dict[str, int] = field(default_factory=dict)
+    """Waiting requests whose finished load the step took up, in order → the answers given before (LIFE-LOAD-1)."""
     adopted: list[tuple[str, str]] = field(default_factory=list)
     """Known deviations of the followed engine taken in place of the reference's own choice: (clause, what)."""
 

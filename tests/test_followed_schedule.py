@@ -20,14 +20,16 @@ def answer(request_id: str, external: int | None, load_async: bool = False) -> M
     return MatchAnswer(request_id=request_id, local_hit_tokens=0, external_tokens=external, load_async=load_async)
 
 
-def test_schedule_of_places_a_request_left_waiting_as_late_as_it_can():
-    """A request resumed after its load is not asked, so a request asked and left waiting before the next one
-    admitted is placed after it: the order the observation allows that judges the scheduler least strictly."""
+def test_schedule_of_places_requests_taken_up_after_a_load_where_they_were_considered():
+    """A request taken up after its load in this step is placed after the answers given before it, scheduled or
+    not; one scheduled that was neither asked nor taken up had been taken up earlier and holds its blocks: first."""
     observation = StepObservation(scheduled_tokens={"running": 1, "resumed": 4, "admitted": 8},
-                                  computed_tokens={"running": 9, "resumed": 12, "admitted": 8, "deferred": 0},
-                                  match_answers=(answer("deferred", None), answer("admitted", 0)))
+                                  computed_tokens={"running": 9, "resumed": 12, "loaded": 12, "admitted": 8,
+                                                   "deferred": 0},
+                                  match_answers=(answer("deferred", None), answer("admitted", 0)),
+                                  promoted={"loaded": 1})
     followed = schedule_of(observation, running=["running"])
-    assert followed.considered == ("resumed", "deferred", "admitted")
+    assert followed.considered == ("resumed", "deferred", "loaded", "admitted")
     assert followed.admitted == {"resumed", "admitted"}
 
 
@@ -138,3 +140,40 @@ def test_a_request_kept_while_its_step_is_in_flight_is_judged_on_its_own_schedul
     own, variant, violation = run_followed(KeepsInFlightRequestEngine, program)
     assert (own.steps[1].preempted, variant.steps[1].preempted) == (("b",), ())
     assert violation is None
+
+
+class TakesUpLoadsEarlyEngine(Engine):
+    """vLLM 0.34's `_handle_blocked_waiting_request`: a finished load is taken up (its blocks cached) when the
+    scheduler considers the request, which may then stay waiting in that step (no running slot, or no room)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.taken_up: set[str] = set()
+        holds = self.kv.holds_sequence
+        self.kv.holds_sequence = lambda request, blocks: request.request_id not in self.taken_up and holds(request,
+                                                                                                              blocks)
+
+    def _schedule(self, followed, deviations):
+        self.taken_up.clear()
+        return super()._schedule(followed, deviations)
+
+    def _finish_load(self, request, success) -> None:
+        super()._finish_load(request, success)
+        self.taken_up.add(request.request_id)
+
+
+def test_a_load_taken_up_without_running_is_judged_on_its_cached_blocks():
+    """LIFE-LOAD-1, PFX-HIT-1: a request whose finished load the scheduler took up, caching its blocks, but left
+    waiting (`promoted`, not scheduled) and then aborted leaves those blocks cached; the judge takes the load up in
+    the same step, so a later request's local hit on them is no fault (`--profile dev --seed 5` on vLLM 0.34.0)."""
+    program = [Call("start", (EngineConfig(num_gpu_blocks=16, block_size_factor=1, num_offload_blocks=8),)),
+               add(request_id="writer", prompt=PROMPT), Call("drain"), Call("reset_prefix_cache", (False,)),
+               add(request_id="reader", prompt=PROMPT), Call("step"), Call("complete_transfers", (False, False)),
+               Call("step"), Call("step"), Call("abort", ("reader",)), add(request_id="hitter", prompt=PROMPT),
+               Call("step"), Call("drain")]
+    own, variant, violation = run_followed(TakesUpLoadsEarlyEngine, program)
+    assert violation is None, violation
+    taken_up = [step for step in variant.steps if "reader" in step.promoted]
+    assert taken_up and "reader" not in taken_up[0].scheduled_tokens
+    hits = [a.local_hit_tokens for step in variant.steps for a in step.match_answers if a.request_id == "hitter"]
+    assert hits and hits[0] > 0

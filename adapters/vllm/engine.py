@@ -43,6 +43,7 @@ class StepTrace:
 
     scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    promoted: dict[str, int] = field(default_factory=dict)
     match_answers: list[MatchAnswer] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
@@ -308,6 +309,7 @@ class VllmAdapter(KVConnectorAdapter):
         self.scheduler.finished_req_ids = FinishOrder()
         wrap(self.scheduler.connector, "get_num_new_matched_tokens", self._record_match)
         wrap(self.scheduler.connector, "request_finished", self._record_finish_answer)
+        wrap(self.scheduler, "_update_waiting_for_remote_kv", self._record_promotion)
         wrap(self.scheduler.kv_cache_manager, "free", self._record_free)
         if hasattr(self.scheduler.kv_cache_manager, "pop_blocks_for_free"):  # 0.24+: frees deferred in async mode
             wrap(self.scheduler.kv_cache_manager, "pop_blocks_for_free", self._record_free)
@@ -490,6 +492,10 @@ class VllmAdapter(KVConnectorAdapter):
             request_id for request_id, request in self.scheduler.requests.items()
             if not request.is_finished() and failed_blocks & set(self.block_ids(request_id))})
 
+    def _record_promotion(self, result: Any, request: Any) -> None:
+        """Record a waiting request whose finished load the scheduler takes up, after the answers given so far."""
+        self.trace.promoted[request.request_id] = len(self.trace.match_answers)
+
     def _record_free(self, result: Any, request: Any) -> None:
         if request.is_finished():
             self.trace.freed.append(request.request_id)
@@ -499,7 +505,8 @@ class VllmAdapter(KVConnectorAdapter):
         observation = dict(
             scheduled_tokens=trace.scheduled_tokens,
             computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items() if not q.is_finished()},
-            preempted=tuple(sorted(trace.preempted)), match_answers=tuple(trace.match_answers),
+            preempted=tuple(sorted(trace.preempted)), promoted=dict(trace.promoted),
+            match_answers=tuple(trace.match_answers),
             finished=tuple(trace.finished), freed=tuple(trace.freed),
             forward_writes=frozenset(trace.forward_writes), store_reads_in_flight=frozenset(trace.store_reads_in_flight),
             loads_finished=tuple(trace.loads_finished), loads_failed=tuple(trace.loads_failed),
