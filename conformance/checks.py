@@ -226,6 +226,23 @@ def check_skip_read(ctx: Context, ref: StepObservation, sut: StepObservation) ->
             raise ClauseViolation("OFF-READ-2", f"skip-read request got a load {load!r}")
 
 
+@check("LIFE-LOAD-1")
+def check_loads_taken_up(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
+    """A waiting request is taken up from its load (its loaded blocks cached) only once the load is reported
+    finished: the reference, following the adapter's order, takes up exactly the loads the adapter took up."""
+    if not sut.promoted and not ref.promoted:
+        return
+    ctx.exercise("LIFE-LOAD-1")
+    early = [request_id for request_id in sut.promoted if request_id not in ref.promoted]
+    if early:
+        raise ClauseViolation("LIFE-LOAD-1", f"took up {early} from their loads, but no load of theirs was reported "
+                                             "finished: their blocks were cached before their KV was loaded")
+    missed = [request_id for request_id in ref.promoted if request_id not in sut.promoted]
+    if missed:
+        raise ClauseViolation("LIFE-LOAD-1", f"considered {missed} after their loads were reported finished, but did "
+                                             "not take them up (promoted)")
+
+
 @check("PFX-HIT-3", "LIFE-LOAD-2")
 def check_last_token_computed(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every scheduled request computes at least one token: neither a local hit nor a finished load covers the last.

@@ -439,6 +439,17 @@ class LoadCoversLastTokenEngine(Engine):
             request.num_computed_tokens = num_computed
 
 
+class TakesUpLoadsEarlyEngine(Engine):
+    """A request waiting for its load is taken up as soon as it is considered, before the connector reports the load
+    finished: its blocks are cached, and it runs, over KV not loaded yet (what WAITING_FOR_REMOTE_KVS prevents)."""
+
+    def _schedule_waiting(self, budget, *args):
+        for request in self.waiting:
+            if request.status is RequestStatus.WAITING_FOR_LOAD:
+                self.loads_done.setdefault(request.request_id, True)
+        return super()._schedule_waiting(budget, *args)
+
+
 class FinishesEarlyEngine(Engine):
     """A request with two or more outputs to make finishes one output early (off by one)."""
 
@@ -671,6 +682,7 @@ MUTANTS = {
     "async-flag-on-zero": row(AsyncFlagOnZeroConnector, "base.py contract", "CONN-MATCH-2"),
     "hit-one-block-short": row(HitOneBlockShortConnector, "offloading scheduler contract", "CONN-MATCH-1"),
     "load-covers-last-token": row(LoadCoversLastTokenEngine, "scheduler contract", "LIFE-LOAD-2"),
+    "takes-up-loads-early": row(TakesUpLoadsEarlyEngine, "scheduler contract", "LIFE-LOAD-1"),
     "local-hit-covers-last-token": row(UncappedHitKVCacheManager, "kv_cache_manager.py contract", "PFX-HIT-3"),
     "hits-held-blocks-only": row(HitsHeldBlocksOnlyKVCacheManager, "block_pool.py contract", "PFX-HIT-1"),
     "null-block-handed-out": row(NullBlockHandedOutKVCacheManager, "block_pool.py contract", "PFX-NULL-1"),
