@@ -35,6 +35,9 @@ class EngineConfig(_Frozen):
                                                      "blocks not stored yet (OFF-STORE-6)")
     flush_on_hit: bool = Field(False, description="also flush a store whose blocks become another request's "
                                                   "local hit (LIFE-FREE-2)")
+    flush_all_on_preemption: bool = Field(False, description="a step that preempts flushes every transfer job in "
+                                                             "flight, loads and other requests' stores included "
+                                                             "(LIFE-FREE-2)")
     lookup_after_failed_load: bool = Field(True, description="look the store up again for a request one of whose "
                                                              "loads failed (LIFE-LOAD-4)")
     local_hit_after_failed_load: bool = Field(True, description="a request whose load failed keeps its local hit; "
@@ -171,8 +174,8 @@ SpecLevel = Literal["connector", "offloading"]
 OffloadingManager-style connectors (`offloading`); an adapter that reports the offloading level's observations
 is judged at both."""
 
-VARIANTS = ("offer_at_finish", "flush_on_hit", "lookup_after_failed_load", "local_hit_after_failed_load",
-            "restart_offers_on_lookup")
+VARIANTS = ("offer_at_finish", "flush_on_hit", "flush_all_on_preemption", "lookup_after_failed_load",
+            "local_hit_after_failed_load", "restart_offers_on_lookup")
 """EngineConfig fields that name a behaviour of the connector and the store that releases of one implementation
 differ in: the capability of the same name lists the values an implementation has, and the reference follows the
 value the config carries. A choice of the scheduler is no variant: the judge follows the schedule it observes."""
@@ -192,6 +195,9 @@ class Capabilities(_Frozen):
                                                                       "request's blocks at the next step (OFF-STORE-6)")
     flush_on_hit: tuple[bool, ...] = Field((False,), description="whether a store is also flushed when its blocks "
                                                                    "become a local hit (LIFE-FREE-2)")
+    flush_all_on_preemption: tuple[bool, ...] = Field((False,), description="whether a step that preempts flushes "
+                                                                              "every transfer job in flight "
+                                                                              "(LIFE-FREE-2)")
     lookup_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed is "
                                                                               "looked up again (LIFE-LOAD-4)")
     local_hit_after_failed_load: tuple[bool, ...] = Field((True,), description="whether a request whose load failed "

@@ -249,6 +249,8 @@ class OffloadConnectorScheduler:
                              deviations: KnownDeviations = NO_DEVIATIONS) -> ConnectorMetadata:
         """Return this step's loads, stores and flushes (CONN-STEP-3, LIFE-FREE-2)."""
         flush = self.pending_flushes
+        if output.preempted_request_ids and self.config.flush_all_on_preemption:
+            flush |= set(self.jobs)
         for request_id in output.preempted_request_ids:
             state = self.states.get(request_id)
             if state is not None:

@@ -529,6 +529,23 @@ def test_store_flushed_when_its_blocks_become_a_hit_if_declared(engine):
         assert metas[0].jobs_to_flush == ({0} if flush_on_hit else set())
 
 
+@pytest.mark.parametrize("flush_all", [False, True])
+def test_every_job_flushed_at_a_preemption_if_declared(engine, flush_all):
+    """LIFE-FREE-2: with flush_all_on_preemption, a step that preempts finishes every job in flight, another
+    request's load included: the load is reported in that step and its request runs in the next (vLLM's
+    SimpleCPUOffloadConnector); without it, the load waits for its transfer to complete."""
+    e = engine(num_offload_blocks=12, flush_all_on_preemption=flush_all)
+    prompt = (1, 0, 3, 2) * 3
+    offloaded_then_forgotten(e, prompt)
+    e.add_request(RequestSpec(request_id="loader", prompt=prompt + (2,)))
+    e.add_request(RequestSpec(request_id="long", prompt=(2,) * 44 + (3, 0, 2, 0), max_tokens=3))
+    assert e.step().scheduled_tokens == {"long": 48}
+    preempting = e.step()
+    assert preempting.preempted == {"long"}
+    assert preempting.reports.loads_finished == (["loader"] if flush_all else [])
+    assert e.step().scheduled_tokens == ({"loader": 1} if flush_all else {})
+
+
 @pytest.mark.parametrize("flush_on_hit", [False, True])
 def test_store_flushed_when_a_loaded_request_first_runs_if_declared(engine, flush_on_hit):
     """LIFE-FREE-2: with flush_on_hit, the step in which a request that waited for its load first runs counts all its

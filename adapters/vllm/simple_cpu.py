@@ -139,12 +139,14 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         # Connector reset: 0.23's reset_cache raises NotImplementedError; 0.24 adds SimpleCPUOffloadScheduler.reset.
         # Offers at finish (OFF-STORE-6): 0.34 queues a finished request's confirmed blocks not stored yet
         # (_queue_finished_eager_store) and stores them with the next step's store event.
+        # Flush at a preemption (LIFE-FREE-2): every release's scheduler sets need_flush for a step that preempts, and
+        # the worker then waits for every load and store in flight (handle_preemptions, _flush_and_sync_all).
         from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
         shared = {**self.base_capabilities(), "reset_connector": hasattr(SimpleCPUOffloadScheduler, "reset")}
         return Capabilities(async_scheduling=True, reads_stored_kv=True, **self.seam.capabilities(),
                             offer_at_finish=(hasattr(SimpleCPUOffloadScheduler, "_queue_finished_eager_store"),),
-                            **shared)
+                            flush_all_on_preemption=(True,), **shared)
 
     def attach(self) -> None:
         self.manager = self.scheduler.connector.scheduler_manager
