@@ -316,21 +316,28 @@ class Engine:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str],
                              followed: FollowedSchedule | None) -> list[int] | None:
-        """Allocate for a running request, preempting the newest running ones until it fits (SCHED-PREEMPT-1);
-        following, the newest of those the followed scheduler preempted, and the request must then fit."""
+        """Allocate for a running request, preempting victims until it fits (SCHED-PREEMPT-1); following, the
+        request must fit once the followed scheduler's victims are preempted."""
         while True:
             new_blocks = self.kv.allocate_slots(request, num_new, [], 0, delay_caching=False)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running[-1] if followed is None else next(
-                (r for r in reversed(self.running) if r.request_id in followed.preempted), None)
+            victim = self._victim(request, followed)
             if victim is None:
-                self.refused.append(("SCHED-ALLOC-1", f"{request.request_id!r} was scheduled {num_new} tokens, for "
-                                                      f"which the free blocks do not hold"))
+                if followed is not None:
+                    self.refused.append(("SCHED-ALLOC-1", f"{request.request_id!r} was scheduled {num_new} tokens, "
+                                                          f"for which the free blocks do not hold"))
                 return None
             self._preempt_victim(victim, preempted)
             if victim is request:
                 return None
+
+    def _victim(self, request: Request, followed: FollowedSchedule | None) -> Request | None:
+        """Return the running request to preempt for `request`'s room: the newest one (SCHED-PREEMPT-1), itself if it
+        is the newest; following, the newest of those the followed scheduler preempted, None when none is left."""
+        if followed is None:
+            return self.running[-1]
+        return next((r for r in reversed(self.running) if r.request_id in followed.preempted), None)
 
     def _preempt_victim(self, victim: Request, preempted: set[str]) -> None:
         """Preempt a running request to make room in this step's scheduling (SCHED-PREEMPT-1)."""

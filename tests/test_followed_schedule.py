@@ -71,15 +71,9 @@ class KeepsInFlightRequestEngine(Engine):
     """vLLM 0.34's `_request_blocks_can_be_freed`: a request whose step is still in flight is not preempted for room;
     scheduling of running requests stops there instead."""
 
-    def _allocate_or_preempt(self, request, num_new, preempted, followed):
-        while (new_blocks := self.kv.allocate_slots(request, num_new, [], 0, delay_caching=False)) is None:
-            victim = self.running[-1]
-            if self.last_scheduled.get(victim.request_id, 0) > self.processed_steps:
-                return None
-            self._preempt_victim(victim, preempted)
-            if victim is request:
-                return None
-        return new_blocks
+    def _victim(self, request, followed):
+        victim = self.running[-1]
+        return None if self.last_scheduled.get(victim.request_id, 0) > self.processed_steps else victim
 
 
 class RecordingAdapter(ReferenceAdapter):

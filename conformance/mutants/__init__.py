@@ -495,13 +495,8 @@ class PreemptsOldestEngine(Engine):
     """A running request short of blocks preempts the oldest running request the step has not scheduled yet, instead
     of the newest."""
 
-    def _allocate_or_preempt(self, request, num_new, preempted, followed):
-        while (new_blocks := self.kv.allocate_slots(request, num_new, [], 0, delay_caching=False)) is None:
-            victim = self.running[self.running.index(request) + 1] if request is not self.running[-1] else request
-            self._preempt_victim(victim, preempted)
-            if victim is request:
-                return None
-        return new_blocks
+    def _victim(self, request, followed):
+        return self.running[self.running.index(request) + 1] if request is not self.running[-1] else request
 
 
 class FirstChunkKVCacheManager(KVCacheManager):
