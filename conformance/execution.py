@@ -410,11 +410,13 @@ def schedule_of(observation: StepObservation, running: Collection[str]) -> Follo
         if answer.load_async and (observation.computed_tokens.get(answer.request_id, 0) or answer.request_id in loading)}
     asked = {answer.request_id for answer in observation.match_answers}
     considered = [r for r in resumed_or_admitted if r not in asked and r not in observation.promoted]
-    for index, answer in enumerate((*observation.match_answers, None)):
+    for index, answer in enumerate(observation.match_answers):
         considered += [request_id for request_id, answers_before in observation.promoted.items()
-                       if answers_before == index or (answer is None and answers_before > index)]
-        if answer is not None and answer.request_id not in considered:  # else a failed load, asked when taken up
+                       if answers_before == index]
+        if answer.request_id not in considered:  # else a failed load that freed its blocks, asked when taken up
             considered.append(answer.request_id)
+    considered += [request_id for request_id, answers_before in observation.promoted.items()
+                   if answers_before >= len(observation.match_answers)]
     return FollowedSchedule(scheduled_tokens=dict(observation.scheduled_tokens), considered=tuple(considered),
                             admitted=frozenset(admitted), preempted=frozenset(observation.preempted))
 
