@@ -136,7 +136,7 @@ def test_a_request_kept_while_its_step_is_in_flight_is_judged_on_its_own_schedul
     assert violation is None
 
 
-class TakesUpLoadsEarlyEngine(Engine):
+class LeavesLoadedRequestWaitingEngine(Engine):
     """vLLM 0.34's `_handle_blocked_waiting_request`: a finished load is taken up (its blocks cached) when the
     scheduler considers the request, which may then stay waiting in that step (no running slot, or no room)."""
 
@@ -144,8 +144,11 @@ class TakesUpLoadsEarlyEngine(Engine):
         super().__init__(*args, **kwargs)
         self.taken_up: set[str] = set()
         holds = self.kv.holds_sequence
-        self.kv.holds_sequence = lambda request, blocks: request.request_id not in self.taken_up and holds(request,
-                                                                                                              blocks)
+
+        def holds_unless_taken_up(request, blocks) -> bool:
+            return request.request_id not in self.taken_up and holds(request, blocks)
+
+        self.kv.holds_sequence = holds_unless_taken_up
 
     def _schedule(self, followed, deviations):
         self.taken_up.clear()
@@ -165,7 +168,7 @@ def test_a_load_taken_up_without_running_is_judged_on_its_cached_blocks():
                add(request_id="reader", prompt=PROMPT), Call("step"), Call("complete_transfers", (False, False)),
                Call("step"), Call("step"), Call("abort", ("reader",)), add(request_id="hitter", prompt=PROMPT),
                Call("step"), Call("drain")]
-    own, variant, violation = run_followed(TakesUpLoadsEarlyEngine, program)
+    own, variant, violation = run_followed(LeavesLoadedRequestWaitingEngine, program)
     assert violation is None, violation
     taken_up = [step for step in variant.steps if "reader" in step.promoted]
     assert taken_up and "reader" not in taken_up[0].scheduled_tokens
