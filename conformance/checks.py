@@ -141,6 +141,17 @@ def _differ(clause: str, what: str, ref: object, sut: object) -> None:
         raise ClauseViolation(clause, f"{what}: reference {ref!r}, adapter {sut!r}")
 
 
+def _differ_blocks(ctx: Context, clause: str, what: str, ref: Iterable[BlockRef], sut: Iterable[BlockRef]) -> None:
+    """Compare two sets of offloaded blocks by identity (CONF-OBS-2); a difference names the blocks only one side
+    has, each as that side named it."""
+    ref_blocks, sut_blocks = ctx.identities(ref), ctx.identities(sut)
+    if ref_blocks != sut_blocks:
+        only_ref = sorted(f"{b.request_id}[{b.index}]" for b in ref if ctx.identity(b) not in sut_blocks)
+        only_sut = sorted(f"{b.request_id}[{b.index}]" for b in sut if ctx.identity(b) not in ref_blocks)
+        raise ClauseViolation(clause, f"{what}: the reference's alone {only_ref}, the adapter's alone {only_sut} "
+                                      "(request[offloaded block])")
+
+
 def _asked_by_both(ref: StepObservation, sut: StepObservation) -> set[str]:
     return {a.request_id for a in ref.match_answers} & {a.request_id for a in sut.match_answers}
 
@@ -553,7 +564,7 @@ def check_evictions(ctx: Context, ref: StepObservation, sut: StepObservation) ->
     clause = "OFF-LRU-1" if ctx.config.eviction_policy == "lru" else "OFF-ARC-1"
     if ref.evicted:
         ctx.exercise(clause)
-    _differ(clause, "evicted blocks", ctx.identities(ref.evicted), ctx.identities(sut.evicted))
+    _differ_blocks(ctx, clause, "evicted blocks", ref.evicted, sut.evicted)
 
 
 @check("OFF-STORE-3")
@@ -581,8 +592,8 @@ def check_store_contents(ctx: Context, ref: StoreSnapshot, sut: StoreSnapshot) -
     ctx.exercise("OFF-MGR-1")
     if sut == ref:  # the same names stand for the same blocks: only snapshots named otherwise need their identities
         return
-    _differ("OFF-MGR-1", "readable store blocks", ctx.identities(ref.ready), ctx.identities(sut.ready))
-    _differ("OFF-MGR-1", "blocks being stored", ctx.identities(ref.storing), ctx.identities(sut.storing))
+    _differ_blocks(ctx, "OFF-MGR-1", "readable store blocks", ref.ready, sut.ready)
+    _differ_blocks(ctx, "OFF-MGR-1", "blocks being stored", ref.storing, sut.storing)
 
 
 @check("XFER-DATA-1", kind="data")
