@@ -588,12 +588,12 @@ class Mutant:
     block (OFF-KEY-2); a store a connector reset kept (OFF-MGR-8, judged only through what follows) holds blocks
     the reference's no longer does (OFF-MGR-1), answers hits on them (CONN-MATCH-1) or evicts other victims
     (OFF-LRU-1, OFF-ARC-1), and a request loading a prefix the reference computes leaves the next request of the
-    step without the local hit it has in the reference (PFX-HIT-1, compared before the answers); a changed order of admission shows
-    as requests scheduled in another order (SCHED-ORDER-1), or, when a request left behind cannot fit at all,
-    in the schedule (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks never freed show
-    as a missing release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the final leak
-    check; stores whose source blocks are not flushed before reuse, or a leaked block that changes which free
-    blocks are reused and so which pending stores the reuse flushes, complete at other steps than the
+    step without the local hit it has in the reference (PFX-HIT-1, compared before the answers); a changed order
+    of admission shows as requests scheduled in another order (SCHED-ORDER-1), or, when a request left behind
+    cannot fit at all, in the schedule (SCHED-STEP-2) before the livelock it can lead to (LIFE-LIVE-1); blocks
+    never freed show as a missing release (LIFE-FREE-1) or a refused prefix-cache reset (PFX-RESET-1) before the
+    final leak check; stores whose source blocks are not flushed before reuse, or a leaked block that changes which
+    free blocks are reused and so which pending stores the reuse flushes, complete at other steps than the
     reference's (OFF-MGR-1) before any write lands on a block a store still reads (XFER-SAFE-1); a kept
     block evicted in a step with several store offers, where an eviction cannot be told apart from one made
     for a later offer, shows as other victims than the policy's (OFF-LRU-1, OFF-ARC-1) or as different
