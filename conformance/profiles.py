@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from unittest import mock
 
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis.database import ExampleDatabase
-# Private: no public setting turns off Hypothesis's local constants (6.170), see programs_from_seed_alone.
-from hypothesis.internal.conjecture import providers
+if TYPE_CHECKING:  # Hypothesis is imported when a run needs it, not when the pytest plugin loads this table
+    from hypothesis import settings
+    from hypothesis.database import ExampleDatabase
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ def profile_settings(name: str, seed_given: bool = False, database: ExampleDatab
     A derandomised run neither reads nor writes `database`: it draws the same programs every time (CONF-RUN-5).
     `max_examples` replaces the profile's for one shard of a run split across workers.
     """
+    from hypothesis import HealthCheck, Phase, settings
+
     profile = PROFILES[name]
     derandomize = profile.derandomize and not seed_given
     return settings(deadline=None, database=None if derandomize else database, report_multiple_bugs=False,
@@ -84,6 +86,9 @@ def programs_from_seed_alone() -> Iterator[None]:
     same seed would draw other programs after one more import. Its cache of those constants is emptied on
     the way in and out, so that tests run after the kit see their own constants again.
     """
+    # Private: no public setting turns off Hypothesis's local constants (6.170).
+    from hypothesis.internal.conjecture import providers
+
     if not (hasattr(providers, "_get_local_constants") and hasattr(providers, "CONSTANTS_CACHE")):
         # A release without these internals: one before local constants, or one that renamed them, which
         # test_programs_do_not_depend_on_imports then catches.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -14,6 +16,15 @@ from kvconform.spec import registry
 pytest_plugins = ["pytester"]
 
 MUTANT = "kvconform_test_mutant:make"
+
+
+def test_loading_the_plugin_imports_no_hypothesis() -> None:
+    """Every pytest session of a project with kvconform installed loads the plugin: loading it imports no Hypothesis
+    module, internals least of all; a run imports Hypothesis when it starts."""
+    script = ("import sys, kvconform.conformance.plugin; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'hypothesis'))")
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
 
 
 def test_reference_passes_and_writes_both_reports(pytester: pytest.Pytester, tmp_path: Path) -> None:
