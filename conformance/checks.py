@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,7 +27,7 @@ from kvconform.common.values import (
     StoreJob,
     StoreSnapshot,
 )
-from kvconform.reference.engine import Engine, FollowedSchedule
+from kvconform.reference.engine import FollowedSchedule, StepFacts
 from kvconform.reference.kv_cache import NULL_BLOCK_ID
 from kvconform.reference.request import Request
 
@@ -50,6 +50,10 @@ class ClauseViolation(AssertionError):
         self.clause = clause
         self.detail = message
         self.adapter_traceback = adapter_traceback
+        self.program: list | None = None
+        """The program (`execution.Call`s) of the execution it ended: the counterexample; set as it leaves it."""
+        self.calls: list[str] = []
+        """The adapter calls that execution made, which stand for the program when it failed before `start`."""
 
 
 @dataclass
@@ -89,13 +93,17 @@ def run_time_clauses() -> set[str]:
 
 @dataclass
 class Context:
-    """What checks may consult besides the two observations: the config, the requests, the oracle."""
+    """What the offloading level's checks may consult besides the two observations: the config, the requests as
+    added and as the reference engine models them, and the facts of the reference's latest step."""
 
     config: EngineConfig
     requests: dict[str, RequestSpec]
-    oracle: Engine
+    reference_requests: Mapping[str, Request]
+    """The requests as the reference engine stepped alongside models them: their tokens and block hashes."""
+    facts: StepFacts = field(default_factory=StepFacts)
+    """What the reference's latest step did that its observation does not show (`reference.engine.StepFacts`)."""
     followed: FollowedSchedule | None = None
-    """The adapter's scheduling choices in the step being judged, which the oracle followed."""
+    """The adapter's scheduling choices in the step being judged, which the reference followed."""
     previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
     previous_pinned: frozenset[bytes] = frozenset()
     """The blocks, by identity, that loads still read at the end of the previous step (OFF-MGR-3)."""
@@ -110,7 +118,7 @@ class Context:
         known = self.hashes.get(ref)
         if known is not None:
             return known
-        request = self.oracle.requests.get(ref.request_id)
+        request = self.reference_requests.get(ref.request_id)
         position = (ref.index + 1) * self.config.block_size_factor - 1
         if request is None or position >= len(request.block_hashes):
             raise ClauseViolation("CONF-OBS-2", f"{ref!r} names no full offloaded block of a known request")
@@ -130,7 +138,7 @@ class Context:
         """
         rows = self.kv_rows.get(request.request_id, torch.empty(0, self.config.token_width, dtype=dtype))
         if len(rows) < num_tokens:
-            states = request.token_states(num_tokens, self.oracle.runner_tokens(request))
+            states = request.token_states(num_tokens, self.facts.runner_tokens(request))
             rows = torch.cat([rows, kv_content.kv_values(states[len(rows):], self.config.token_width, dtype)])
             self.kv_rows[request.request_id] = rows
         return rows[:num_tokens]
@@ -213,7 +221,7 @@ def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObserv
         ctx.exercise("CONN-MATCH-2")
         if answer.external_tokens == 0 and answer.load_async:
             raise ClauseViolation("CONN-MATCH-2", f"{answer!r}: a 0-token answer must have load_async=False")
-        total = ctx.oracle.requests[answer.request_id].num_tokens
+        total = ctx.reference_requests[answer.request_id].num_tokens
         ctx.exercise("CONN-MATCH-3")
         if answer.external_tokens is not None and answer.local_hit_tokens + answer.external_tokens > total:
             raise ClauseViolation("CONN-MATCH-3", f"{answer!r} exceeds the request's {total} tokens")
@@ -261,7 +269,7 @@ def check_last_token_computed(ctx: Context, ref: StepObservation, sut: StepObser
     A request the reference runs in this step after waiting for its load is judged by LIFE-LOAD-2, any other by
     PFX-HIT-3.
     """
-    loaded = set(ctx.oracle.resumed)
+    loaded = set(ctx.facts.resumed)
     for request_id, num_tokens in sut.scheduled_tokens.items():
         clause = "LIFE-LOAD-2" if request_id in loaded else "PFX-HIT-3"
         ctx.exercise(clause)
@@ -370,7 +378,7 @@ def check_preemption_victims(ctx: Context, ref: StepObservation, sut: StepObserv
     if not sut.preempted:
         return
     ctx.exercise("SCHED-PREEMPT-1")
-    running = ctx.oracle.running_at_schedule
+    running = ctx.facts.running_at_schedule
     newest = running[len(running) - len(sut.preempted):]
     if set(sut.preempted) != set(newest):
         raise ClauseViolation("SCHED-PREEMPT-1", f"preempted {sorted(sut.preempted)}, where the newest running "
@@ -385,7 +393,7 @@ def check_schedule_held(ctx: Context, ref: StepObservation, sut: StepObservation
         ctx.exercise("SCHED-ALLOC-1")
     if ctx.followed.admitted:
         ctx.exercise("SCHED-ADMIT-1")
-    for clause, why in ctx.oracle.refused:
+    for clause, why in ctx.facts.refused:
         raise ClauseViolation(clause, why)
 
 
@@ -393,7 +401,7 @@ def check_schedule_held(ctx: Context, ref: StepObservation, sut: StepObservation
 def check_running_first(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Running requests are scheduled before waiting ones, and no waiting request is admitted in a step that
     preempted one."""
-    running = set(ctx.oracle.running_at_schedule)
+    running = set(ctx.facts.running_at_schedule)
     scheduled = list(sut.scheduled_tokens)
     admitted = sorted(ctx.followed.admitted)
     if running and admitted:
@@ -414,7 +422,7 @@ def check_block_holders_first(ctx: Context, ref: StepObservation, sut: StepObser
 
     Left behind a request that cannot fit while it holds the blocks that one needs, neither could ever run.
     """
-    ready = ctx.oracle.ready_holders
+    ready = ctx.facts.ready_holders
     considered = list(ctx.followed.considered)
     others = [r for r in considered if r not in ready]
     if not ready or not others:
@@ -599,7 +607,7 @@ def check_store_contents(ctx: Context, ref: StoreSnapshot, sut: StoreSnapshot) -
 @check("XFER-DATA-1", kind="data")
 def check_computed_bytes(ctx: Context, request_id: str, kv: torch.Tensor) -> None:
     """The GPU bytes of a running or just loaded request's computed tokens equal the KV content function's."""
-    request = ctx.oracle.requests[request_id]
+    request = ctx.reference_requests[request_id]
     ctx.exercise("XFER-DATA-1")
     _judge_bytes("XFER-DATA-1", f"request {request_id!r}", kv,
                  ctx.expected_kv(request, request.num_computed_tokens, kv.dtype),
@@ -647,7 +655,7 @@ def check_stored_bytes(ctx: Context, block: BlockRef, kv: torch.Tensor) -> None:
     ctx.exercise("XFER-DATA-3")
     size = ctx.config.block_size * ctx.config.block_size_factor
     first = block.index * size
-    expected = ctx.expected_kv(ctx.oracle.requests[block.request_id], first + size, kv.dtype)[first:]
+    expected = ctx.expected_kv(ctx.reference_requests[block.request_id], first + size, kv.dtype)[first:]
     _judge_bytes("XFER-DATA-3", f"{block!r}, as the store holds it", kv, expected,
                  "the KV of that prefix in the request's tenant (a corrupt, stale or misplaced store)", first)
 

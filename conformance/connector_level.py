@@ -10,12 +10,16 @@ computed before in the same tenant, every byte right, every async load reported 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvconform.common.values import EngineConfig, MatchAnswer, RequestSpec, ResourceUsage, StepObservation
 from kvconform.conformance.checks import ClauseViolation, check
 from kvconform.reference.kv_history import KVHistory
+
+if TYPE_CHECKING:
+    from kvconform.conformance.execution import Execution
 
 
 @dataclass
@@ -40,22 +44,31 @@ class ScheduleTrace:
 
 @dataclass
 class ConnectorJudge:
-    """Judges one execution at the connector level, following the adapter's own schedule."""
+    """Judges one execution at the connector level, following the adapter's own schedule (`execution.Judge`)."""
 
+    execution: Execution
     config: EngineConfig
-    exercised: dict[str, int]
-    requests: dict[str, RequestSpec] = field(default_factory=dict)
     history: KVHistory = field(default_factory=KVHistory)
     trace: ScheduleTrace = field(default_factory=ScheduleTrace)
 
+    @property
+    def requests(self) -> dict[str, RequestSpec]:
+        """The requests the harness added, by id."""
+        return self.execution.requests
+
     def exercise(self, clause: str) -> None:
-        self.exercised[clause] = self.exercised.get(clause, 0) + 1
+        exercised = self.execution.coverage
+        exercised[clause] = exercised.get(clause, 0) + 1
+
+    # --- the operations, before the adapter runs them ------------------------------------------------------
 
     def add_request(self, spec: RequestSpec) -> None:
         """Track a request the harness added: it is unfinished until the adapter reports it finished."""
-        self.requests[spec.request_id] = spec
         self.history.add(spec.request_id, spec.prompt, spec.max_tokens, spec.cache_salt, spec.lora_name)
         self.trace.unfinished.add(spec.request_id)
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        """Nothing to follow: the adapter reports what its transfers did in its next step."""
 
     def abort(self, request_id: str) -> None:
         """An aborted request finishes at once; its load, if any, is still to be reported (KVC-ASYNC-1)."""
@@ -64,6 +77,24 @@ class ConnectorJudge:
 
     def preempt(self, request_id: str) -> None:
         self.trace.running.discard(request_id)
+
+    # --- the adapter's answers -------------------------------------------------------------------------------
+
+    def step_observed(self, observation: StepObservation) -> None:
+        """Judge a step's answers and reports, then follow it."""
+        self.execution.judge("adapter.step()", "connector", self, observation)
+        self.follow(observation)
+
+    def resident_kv(self, request_id: str, kv: torch.Tensor) -> None:
+        """Judge a request's GPU bytes against the KV the engine computed for its prefix (KVC-DATA-1)."""
+        self.execution.judge(f"adapter.computed_kv({request_id!r})", "connector-data", self, request_id, kv)
+
+    def reset_answered(self, reset_connector: bool, answer: bool) -> None:
+        """Nothing to judge: whether a prefix-cache reset may be refused is the offloading level's (PFX-RESET-1)."""
+
+    def drained(self, usage: ResourceUsage, steps: int) -> None:
+        """Judge the drained engine: every load reported, every request finished, nothing held."""
+        self.execution.judge("adapter.resource_usage()", "connector-drain", self, usage, steps)
 
     # --- where the requests are, as the adapter's own schedule has it (execution.EngineState) ----------------
 
@@ -92,6 +123,10 @@ class ConnectorJudge:
     def resident(self) -> list[str]:
         """Return the requests whose computed tokens' KV must be in their GPU blocks now: running or just loaded."""
         return sorted((self.trace.running | self.trace.loaded) & self.trace.unfinished)
+
+    def idle(self, usage: ResourceUsage) -> bool:
+        """Return True once the adapter holds nothing: on its own schedule only it knows its pending saves."""
+        return not any(usage.model_dump().values())
 
     def follow(self, observation: StepObservation) -> None:
         """Advance the trace and the KV history past a judged step."""

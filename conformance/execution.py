@@ -1,33 +1,34 @@
-"""Running programs of engine operations on an adapter and the reference side by side (chapter `conformance`).
+"""Running programs of engine operations on an adapter, judged at each spec level it reports (chapter `conformance`).
 
 A program is a list of `Call`s: the adapter operations `start`, `add_request`, `step`, `complete_transfers`,
 `abort`, `preempt`, `reset_prefix_cache`, plus `drain` (complete transfers and step until the engine is
 idle, then check for leaks). The state machine draws programs, the shrinker edits them, and a counterexample
-is one. `Execution.apply` runs one call and judges every answer with the registered checks, at each spec
-level the adapter reports, on the adapter's own schedule: the connector level from what crosses the connector API
+is one. `Execution.apply` runs one call on the adapter and hands every operation and answer to one `Judge` per
+spec level, on the adapter's own schedule: the connector level from what crosses the connector API
 (`connector_level.py`), the offloading level against the reference engine stepped alongside, which schedules as
-the adapter did (`schedule_of`) and so knows what the connector and the store must do.
+the adapter did and so knows what the connector and the store must do (`offloading_level.py`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import torch
+from pydantic import BaseModel, Field
+
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
-from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.common.values import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation, StoreSnapshot
+from kvconform.common.values import Capabilities, EngineConfig, RequestSpec, ResourceUsage, SpecLevel, StepObservation
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
-from kvconform.conformance.checks import ClauseViolation, Context, check_drained, checks_of
+from kvconform.conformance.checks import ClauseViolation, Kind, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
-from kvconform.reference.connector import KnownDeviations
-from kvconform.reference.engine import Engine, FollowedSchedule
+from kvconform.conformance.offloading_level import OffloadingJudge
+from kvconform.reference.engine import Engine
 from kvconform.reference.errors import InvalidCall
-from kvconform.reference.request import RequestStatus
 
 DRAIN_STEP_LIMIT = 64
 """Steps a drain may take before the requests still unfinished count as stuck (LIFE-LIVE-1)."""
@@ -91,6 +92,32 @@ def render(program: list[Call]) -> str:
     return "\n".join(map(str, program))
 
 
+class RunStatistics(BaseModel):
+    """What a run counted: examples, rules, steps, and where its time went. One value per run: the session adds to it,
+    and the run's result and report carry it."""
+
+    examples: int = Field(0, description="examples run: programs drawn, or replayed from the example database")
+    found_at_example: int | None = Field(None, description="the example, counted from 1, in which the run found its "
+                                                           "failure: 1 when the example database replayed it first")
+    rules: int = Field(0, description="state-machine rules run (Hypothesis's stateful steps), each one or more "
+                                      "adapter calls")
+    steps: int = Field(0, description="engine steps judged: at the offloading level, compared with the reference's")
+    steps_after_known_failure: int = Field(0, description="of those, the steps judged after a known failure of their "
+                                                          "example, whose deviation the reference followed (CONF-RUN-2)")
+    adapter_seconds: float = Field(0.0, description="time in the adapter's calls")
+    reference_seconds: float = Field(0.0, description="time in the reference engine stepped alongside")
+    checks_seconds: float = Field(0.0, description="time in the checks")
+    execution_seconds: float = Field(0.0, description="time building adapters and running programs' calls, engines "
+                                                      "and checks included; the rest of a run is Hypothesis's rule "
+                                                      "selection, draws and preconditions, and the state machine's own")
+
+    def __add__(self, other: RunStatistics) -> RunStatistics:
+        """Return the statistics of two parts of a run together; the failure was found in the first part's example."""
+        total = {name: getattr(self, name) + getattr(other, name) for name in type(self).model_fields
+                 if name != "found_at_example"}
+        return RunStatistics(**total, found_at_example=self.found_at_example)
+
+
 @dataclass
 class Session:
     """What the executions of one run share: the options they run under, and the tallies they add up."""
@@ -102,44 +129,74 @@ class Session:
     scheduling: Scheduling = "both"
     baseline: Baseline = field(default_factory=Baseline)
     on_example: Callable[[], None] | None = None
+    reference: Callable[[EngineConfig], Engine] = Engine
+    """Builds the reference engine the offloading level follows the adapter with: the spec's model."""
     coverage: dict[str, int] = field(default_factory=dict)
-    examples: int = 0
-    failing_example: int | None = None
-    """The example, counted from 1, in which a clause first failed."""
-    rules: int = 0
-    steps: int = 0
-    steps_after_known_failure: int = 0
-    """Steps judged, in all examples, after a known failure of their example was followed (CONF-RUN-2)."""
-    adapter_seconds: float = 0.0
-    reference_seconds: float = 0.0
-    checks_seconds: float = 0.0
-    execution_seconds: float = 0.0
-    """Time spent building adapters and running programs' calls, engines and checks included (`Execution.executing`):
-    the rest of a run is Hypothesis's rule selection, draws and preconditions, and the state machine's own code."""
-    last_execution: Execution | None = None
+    statistics: RunStatistics = field(default_factory=RunStatistics)
+    capabilities: Capabilities | None = None
+    """What the adapter claimed to support, as the latest execution read it (CONF-CAP-1)."""
+
+
+class EngineState(Protocol):
+    """Where the engine's requests are, as a judge follows them: for the state machine's preconditions and the drain."""
+
+    def unfinished(self) -> list[str]: ...
+    def loading(self) -> list[str]: ...
+    def running(self) -> list[str]: ...
+    def storing(self) -> list[str]: ...
+    def transfers_pending(self) -> bool: ...
+    def resident(self) -> list[str]: ...
+    def busy(self) -> bool: ...
+
+    def idle(self, usage: ResourceUsage) -> bool:
+        """Return True once an engine that is not `busy` needs no more steps, given the adapter's resource usage."""
+
+
+class Judge(EngineState, Protocol):
+    """One spec level's judge of an execution: told each operation before the adapter runs it, and each answer the
+    adapter gave, it judges the answers by the checks of its level (`checks.check`). Built at `start`."""
+
+    def add_request(self, spec: RequestSpec) -> None: ...
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def preempt(self, request_id: str) -> None: ...
+    def step_observed(self, observation: StepObservation) -> None: ...
+    def resident_kv(self, request_id: str, kv: torch.Tensor) -> None: ...
+    def reset_answered(self, reset_connector: bool, answer: bool) -> None: ...
+    def drained(self, usage: ResourceUsage, steps: int) -> None: ...
+
+
+JUDGES: dict[SpecLevel, Callable[[Execution, EngineConfig], Judge]] = {
+    "offloading": OffloadingJudge, "connector": ConnectorJudge}
+"""Each spec level's judge, the deeper level first: a failure it finds names the block and the cause."""
+
+
+def judged_levels(capabilities: Capabilities) -> set[SpecLevel]:
+    """Return the levels an adapter is judged at: those it reports, and the connector level, which every connector
+    meets (chapter `connector-level`)."""
+    return {"connector", *capabilities.levels}
 
 
 class Execution:
-    """One fresh adapter and one fresh reference, driven through the same calls and compared after each."""
+    """One fresh adapter driven through a program, its answers judged at every level it is judged at."""
 
     def __init__(self, session: Session, coverage: dict[str, int] | None = None) -> None:
         self.session = session
         self.coverage = session.coverage if coverage is None else coverage
         self.caller = AdapterCaller(session.call_timeout)
-        self.oracle: ReferenceAdapter | None = None
-        """The reference engine stepped alongside, for an adapter judged at the offloading level."""
-        self.ctx: Context | None = None
-        self.connector_judge: ConnectorJudge | None = None
+        self.judges: list[Judge] = []
+        """One per level judged, the deeper level first; built at `start`."""
         self.state: EngineState | None = None
-        """Where the engine's requests are: the reference's view when it is stepped alongside (the offloading level),
-        else the adapter's own trace as the connector level follows it; set at `start`."""
+        """Where the engine's requests are, as the deepest level's judge follows them; set at `start`."""
         self.capabilities = Capabilities()
+        self.requests: dict[str, RequestSpec] = {}
+        """The requests added so far, by id."""
         self.program: list[Call] = []
         self.failed = False
         self.deviated = False
         """Whether a known deviation of the adapter was followed earlier in this example."""
 
-    # --- the engines -------------------------------------------------------------------------
+    # --- the adapter ---------------------------------------------------------------------------
 
     def call(self, operation: str, *args: Any) -> Any:
         """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`).
@@ -157,51 +214,45 @@ class Execution:
                 raise Diverged from violation
             return failure.result
 
-    def expect(self, operation: str, *args: Any, **keywords: Any) -> Any:
-        """Return the reference's answer to `operation(*args, **keywords)`, timing it apart from the harness."""
-        started = time.perf_counter()
-        try:
-            return getattr(self.oracle, operation)(*args, **keywords)
-        finally:
-            self.session.reference_seconds += time.perf_counter() - started
-
     def begin(self) -> Capabilities:
         """Build the adapter and return what it claims to support (CONF-CAP-1)."""
         with self.executing():
             self.caller.build(self.session.adapter_factory)
-            self.capabilities = self.call("capabilities")
-            if "offloading" in self.capabilities.levels:
-                self.oracle = ReferenceAdapter()
+            self.capabilities = self.session.capabilities = self.call("capabilities")
         return self.capabilities
 
     def close(self) -> None:
         with self.executing():
             if self.caller.adapter is not None and not self.caller.hung:
                 self.call("close")
-        self.session.adapter_seconds += self.caller.seconds
+        self.session.statistics.adapter_seconds += self.caller.seconds
 
     @contextmanager
     def executing(self) -> Iterator[None]:
-        """Count the time of the block as running the program (`Session.execution_seconds`)."""
+        """Count the time of the block as running the program (`RunStatistics.execution_seconds`); a clause violation
+        leaving it carries the program run so far and the adapter calls made (`ClauseViolation.program`)."""
         started = time.perf_counter()
         try:
             yield
+        except ClauseViolation as violation:
+            if violation.program is None:
+                violation.program, violation.calls = list(self.program), list(self.caller.trace)
+            raise
         finally:
-            self.session.execution_seconds += time.perf_counter() - started
+            self.session.statistics.execution_seconds += time.perf_counter() - started
 
     # --- what the engine's state allows ----------------------------------------------------------
 
     @property
-    def requests(self) -> dict[str, RequestSpec]:
-        """Return the requests added so far, by id."""
-        return self.connector_judge.requests if self.connector_judge is not None else {}
-
+    def started(self) -> bool:
+        """Return True once the engine started: its judges are built."""
+        return bool(self.judges)
 
     def allows(self, call: Call) -> bool:
         """Return True if the engine's state lets `call` run: its request exists and is in the right state."""
         if call.operation == "start":
-            return self.connector_judge is None
-        if self.connector_judge is None:
+            return not self.started
+        if not self.started:
             return False
         if call.operation == "add_request":
             return call.args[0].request_id not in self.requests
@@ -214,67 +265,59 @@ class Execution:
     # --- applying calls ------------------------------------------------------------------------
 
     def apply(self, call: Call) -> None:
-        """Run `call` on the reference and the adapter and judge the answers; raise ClauseViolation on a failure."""
+        """Run `call` on the adapter and have every judge judge it; raise ClauseViolation on a failure."""
         self.program.append(call)
         try:
             with self.executing():
                 getattr(self, f"_{call.operation}")(*call.args)
         except BaseException as error:
             self.failed = True
-            if isinstance(error, ClauseViolation) and self.session.failing_example is None:
-                self.session.failing_example = self.session.examples
+            statistics = self.session.statistics
+            if isinstance(error, ClauseViolation) and statistics.found_at_example is None:
+                statistics.found_at_example = statistics.examples
             raise
 
-    def _start(self, config) -> None:
-        self.connector_judge = self.state = ConnectorJudge(config, self.coverage)
-        if self.oracle is not None:
-            self.expect("start", config)
-            self.ctx = Context(config, self.connector_judge.requests, self.oracle.engine, exercised=self.coverage)
-            self.state = ReferenceState(self.oracle.engine)
+    def _start(self, config: EngineConfig) -> None:
+        levels = judged_levels(self.capabilities)
+        self.judges = [judge(self, config) for level, judge in JUDGES.items() if level in levels]
+        self.state = self.judges[0]
         self.call("start", config)
 
-    def _add_request(self, spec) -> None:
-        self.connector_judge.add_request(spec)
-        if self.oracle is not None:
-            self.expect("add_request", spec)
+    def _add_request(self, spec: RequestSpec) -> None:
+        self.requests[spec.request_id] = spec
+        for judge in self.judges:
+            judge.add_request(spec)
         self.call("add_request", spec)
 
     def _step(self) -> None:
         actual = self.call("step")
-        self.session.steps += 1
-        self.session.steps_after_known_failure += self.deviated
-        if self.oracle is not None:  # the deeper level first: its failures name the block and the cause
-            self.compare_step(self.follow(actual), actual)
-        self.judge("adapter.step()", "connector", actual)
-        self.connector_judge.follow(actual)
+        statistics = self.session.statistics
+        statistics.steps += 1
+        statistics.steps_after_known_failure += self.deviated
+        for judge in self.judges:
+            judge.step_observed(actual)
         if self.capabilities.reads_kv:
             self.judge_resident_kv()
 
     def _complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
-        if self.oracle is not None:
-            self.expect("complete_transfers", fail_loads, fail_stores)
+        for judge in self.judges:
+            judge.complete_transfers(fail_loads, fail_stores)
         self.call("complete_transfers", fail_loads, fail_stores)
 
     def _abort(self, request_id: str) -> None:
-        self.connector_judge.abort(request_id)
-        if self.oracle is not None:
-            self.expect("abort", request_id)
+        for judge in self.judges:
+            judge.abort(request_id)
         self.call("abort", request_id)
 
     def _preempt(self, request_id: str) -> None:
-        self.connector_judge.preempt(request_id)
-        if self.oracle is not None:
-            self.expect("preempt", request_id)
+        for judge in self.judges:
+            judge.preempt(request_id)
         self.call("preempt", request_id)
 
     def _reset_prefix_cache(self, reset_connector: bool) -> None:
-        actual = self.call("reset_prefix_cache", reset_connector)
-        if self.oracle is None:
-            return
-        if reset_connector:  # the jobs in flight are discarded: their completions are ignored, not reported (OFF-MGR-8)
-            self.ctx.jobs_in_flight.clear()
-        self.judge(f"adapter.reset_prefix_cache({reset_connector!r})", "reset",
-                   self.expect("reset_prefix_cache", reset_connector), actual)
+        answer = self.call("reset_prefix_cache", reset_connector)
+        for judge in self.judges:
+            judge.reset_answered(reset_connector, answer)
 
     def _drain(self) -> None:
         """Complete every transfer and step until the engine is idle, then check for leaks and liveness."""
@@ -284,27 +327,24 @@ class Execution:
             self._step()
             steps += 1
         usage = self.call("resource_usage")
-        while self.oracle is None and steps < DRAIN_STEP_LIMIT and any(usage.model_dump().values()):
+        while steps < DRAIN_STEP_LIMIT and not self.state.idle(usage):
             # on its own schedule only the adapter knows its pending saves: step until it says it is idle
             self._complete_transfers(False, False)
             self._step()
             steps += 1
             usage = self.call("resource_usage")
-        if self.oracle is not None:
-            check_drained(self.ctx, self.expect("resource_usage"), steps)  # the reference drains too
-            self.judge("adapter.resource_usage()", "drain", usage, steps)
-        self.judge("adapter.resource_usage()", "connector-drain", usage, steps)
+        for judge in self.judges:
+            judge.drained(usage, steps)
 
     # --- judging -----------------------------------------------------------------------------
 
-    def judge(self, call: str, kind: str, *args: Any) -> None:
-        """Run the checks of `kind` on the answer of `call`; a known failure is recorded, not raised, and ends the
-        example: what would follow is only its consequences (CONF-RUN-2).
+    def judge(self, call: str, kind: Kind, subject: object, *args: Any) -> None:
+        """Run the checks of `kind` on the answer of `call`, with `subject` (what a judge's checks consult); a known
+        failure is recorded, not raised, and ends the example: what would follow is only its consequences (CONF-RUN-2).
 
         A failure names the call whose answer it judged (CONF-CALL-1).
         """
         started = time.perf_counter()
-        subject = self.connector_judge if kind.startswith("connector") else self.ctx
         try:
             for each in checks_of(kind):
                 each.function(subject, *args)
@@ -314,147 +354,17 @@ class Execution:
                 raise
             raise Diverged from violation
         finally:
-            self.session.checks_seconds += time.perf_counter() - started
-
-    def follow(self, actual: StepObservation) -> StepObservation:
-        """Step the reference as the adapter scheduled, taking the adapter's choices where the run knows it deviates,
-        and return what the reference observes; each deviation taken is recorded as its known failure (CONF-RUN-2)."""
-        self.ctx.followed = schedule_of(actual, [request.request_id for request in self.oracle.engine.running])
-        expected = self.expect("step_following", self.ctx.followed,
-                               deviations=deviations_of(actual, self.session.baseline.entries, self.ctx.identity))
-        for clause, what in self.oracle.engine.adopted:
-            violation = ClauseViolation(clause, f"adapter.step(): {what}")
-            if not self.session.baseline.tolerates(violation):
-                raise violation
-            self.deviated = True
-        return expected
-
-    def compare_step(self, expected: StepObservation, actual: StepObservation) -> None:
-        """Judge a step at the offloading level: the adapter's observation and store against the reference's."""
-        self.judge("adapter.step()", "step", expected, actual)
-        store, actual_store = self.expect("store_contents"), self.call("store_contents")
-        self.judge("adapter.store_contents()", "store", store, actual_store)
-        if self.capabilities.reads_stored_kv:
-            self.judge_stored_kv(actual, actual_store)
-        self.ctx.previous_store = store
-        self.ctx.previous_pinned = frozenset(self.oracle.engine.manager.pinned_keys())
-
-    def judge_stored_kv(self, observation: StepObservation, store: StoreSnapshot) -> None:
-        """Read the bytes of every block that a store completed in the step made readable, and judge them whether or
-        not a load ever reads them (XFER-DATA-3)."""
-        readable = self.ctx.identities(store.ready)
-        for job in observation.completed_stores:
-            for index in job.offload_indices:
-                block = BlockRef(request_id=job.request_id, index=index)
-                if self.ctx.identity(block) in readable:
-                    self.judge(f"adapter.stored_kv({block!r})", "stored-data", block, self.call("stored_kv", block))
+            self.session.statistics.checks_seconds += time.perf_counter() - started
 
     def judge_resident_kv(self) -> None:
-        """Read the KV of every request that must hold its computed tokens' KV now, and judge its bytes at each level:
-        stepped alongside the reference, against the reference's count of computed tokens (XFER-DATA-1), and against
-        the adapter's own (KVC-DATA-1)."""
-        for_reference = set(self.state.resident()) if self.oracle is not None else set()
-        for_connector = set(self.connector_judge.resident())
-        for request_id in sorted(for_reference | for_connector):
-            call = f"adapter.computed_kv({request_id!r})"
+        """Read the KV of every request that must hold its computed tokens' KV now, at some level, once, and have the
+        judges of the levels that say so judge its bytes."""
+        resident = [set(judge.resident()) for judge in self.judges]
+        for request_id in sorted(set().union(*resident)):
             kv = self.call("computed_kv", request_id)
-            if request_id in for_reference:
-                self.judge(call, "data", request_id, kv)
-            if request_id in for_connector:
-                self.judge(call, "connector-data", request_id, kv)
-
-
-class EngineState(Protocol):
-    """Where the engine's requests are, as the state machine's preconditions and the drain need it."""
-
-    def unfinished(self) -> list[str]: ...
-    def loading(self) -> list[str]: ...
-    def running(self) -> list[str]: ...
-    def storing(self) -> list[str]: ...
-    def transfers_pending(self) -> bool: ...
-    def resident(self) -> list[str]: ...
-    def busy(self) -> bool: ...
-
-
-DEVIATIONS_FOLLOWED = {"lookups": {"OFF-LOOKUP-1"}, "offers": {"OFF-STORE-1"}, "victims": {"OFF-LRU-1", "OFF-ARC-1"}}
-"""Which adapter choices the reference takes in place of its own, and the known failures that make it take them."""
-
-
-def deviations_of(observation: StepObservation, known: Collection[str],
-                  identity: Callable[[BlockRef], bytes]) -> KnownDeviations:
-    """Return the adapter's choices in a step that the reference takes where the run lists their clause as a known
-    failure (`DEVIATIONS_FOLLOWED`), so that the example goes on past them (CONF-RUN-2)."""
-    follows = {choice for choice, clauses in DEVIATIONS_FOLLOWED.items() if clauses & set(known)}
-    return KnownDeviations(
-        lookups={a.request_id: observation.lookups.get(a.request_id, ()) for a in observation.match_answers}
-        if "lookups" in follows else None,
-        offers={offer.request_id: offer.offload_indices for offer in observation.store_offers}
-        if "offers" in follows else None,
-        victims={offer.request_id: tuple(map(identity, offer.evicted)) for offer in observation.store_offers}
-        if "victims" in follows else None)
-
-
-def schedule_of(observation: StepObservation, running: Collection[str]) -> FollowedSchedule:
-    """Return the scheduling choices an adapter's step shows, for the reference to follow (SCHED-STEP-2).
-
-    `running` are the requests running when the step began. Waiting requests were considered in the order they
-    were asked for matches, or taken up after their load (`promoted`, each placed after the answers given before
-    it), scheduled or not; a request scheduled that was neither had been taken up in an earlier step and held its
-    blocks since, so it came first (SCHED-ORDER-1). A request asked with an asynchronous load was admitted if the
-    step left it with computed tokens or a load job.
-    """
-    resumed_or_admitted = [request_id for request_id in observation.scheduled_tokens if request_id not in running]
-    loading = {load.request_id for load in observation.loads}
-    admitted = set(resumed_or_admitted) | {
-        answer.request_id for answer in observation.match_answers
-        if answer.load_async and (observation.computed_tokens.get(answer.request_id, 0) or answer.request_id in loading)}
-    asked = {answer.request_id for answer in observation.match_answers}
-    considered = [r for r in resumed_or_admitted if r not in asked and r not in observation.promoted]
-    for index, answer in enumerate(observation.match_answers):
-        considered += [request_id for request_id, answers_before in observation.promoted.items()
-                       if answers_before == index]
-        if answer.request_id not in considered:  # else a failed load that freed its blocks, asked when taken up
-            considered.append(answer.request_id)
-    considered += [request_id for request_id, answers_before in observation.promoted.items()
-                   if answers_before >= len(observation.match_answers)]
-    return FollowedSchedule(scheduled_tokens=dict(observation.scheduled_tokens), considered=tuple(considered),
-                            admitted=frozenset(admitted), preempted=frozenset(observation.preempted))
-
-
-@dataclass
-class ReferenceState:
-    """The engine's state as the reference engine stepped alongside the adapter has it (the offloading level)."""
-
-    engine: Engine
-
-    def unfinished(self) -> list[str]:
-        return sorted(request.request_id for request in (*self.engine.waiting, *self.engine.running))
-
-    def loading(self) -> list[str]:
-        return sorted(request.request_id for request in self.engine.waiting
-                      if request.status is RequestStatus.WAITING_FOR_LOAD)
-
-    def running(self) -> list[str]:
-        return sorted(request.request_id for request in self.engine.running)
-
-    def storing(self) -> list[str]:
-        """Return the running requests whose stores are still in flight."""
-        connector = self.engine.connector
-        return [request_id for request_id in self.running() if any(
-            connector.jobs[job].is_store for job in connector.states[request_id].transfer_jobs)]
-
-    def transfers_pending(self) -> bool:
-        return bool(self.engine.in_flight_job_count())
-
-    def resident(self) -> list[str]:
-        """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""
-        loaded = [request_id for request_id, success in self.engine.loads_done.items()
-                  if success and not self.engine.requests[request_id].is_finished]
-        return sorted({*self.running(), *loaded})
-
-    def busy(self) -> bool:
-        """Return True while the engine still has work for a step (SCHED-STEP-1) or a batch in flight."""
-        return self.engine.has_work() or self.engine.in_flight is not None
+            for judge, requests in zip(self.judges, resident):
+                if request_id in requests:
+                    judge.resident_kv(request_id, kv)
 
 
 @dataclass

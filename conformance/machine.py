@@ -123,7 +123,6 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.run = Execution(self.session)
-        self.session.last_execution = self.run
 
     def apply(self, operation: str, *args) -> None:
         """Run one call on both engines; a known failure ends the example there (CONF-RUN-2)."""
@@ -134,7 +133,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        self.session.examples += 1
+        self.session.statistics.examples += 1
         if self.session.on_example is not None:
             self.session.on_example()
         capabilities = self.run.begin()
@@ -227,12 +226,12 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     @invariant()
     def count_rules(self) -> None:
         """Count the rules run (Hypothesis's stateful steps), for the harness's throughput."""
-        self.session.rules += 1
+        self.session.statistics.rules += 1
 
     def teardown(self) -> None:
         """End every example idle: a last drain checks for leaks and liveness (LIFE-LEAK-1, LIFE-LIVE-1)."""
         try:
-            if self.run.connector_judge is not None and not self.run.failed:
+            if self.run.started and not self.run.failed:
                 self.run.apply(Call("drain"))
         except Diverged:  # a known failure in the last drain ends the example as anywhere else (CONF-RUN-2)
             pass

@@ -253,10 +253,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         return
     terminalreporter.section("kvconform")
     terminalreporter.write_line(f"spec {run_report.spec_version}, adapter {run_report.adapter}: "
-                                f"{run_report.run_time_coverage.summary()} ({run_report.steps} steps judged)")
+                                f"{run_report.run_time_coverage.summary()} ({run_report.statistics.steps} steps judged)")
     if run_report.shards:
         terminalreporter.write_line(f"merged from {len(run_report.shards)} parts drawn from seed {run_report.seed}: "
-                                    + ", ".join(f"seed {part.seed} {part.outcome} ({part.examples} examples)"
+                                    + ", ".join(f"seed {part.seed} {part.outcome} ({part.statistics.examples} examples)"
                                                 for part in run_report.shards))
     for gap in config.stash.get(CERTIFICATION_GAPS, []):
         terminalreporter.write_line(f"not certified: {gap}")

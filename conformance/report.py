@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 import kvconform
 from kvconform.common.values import Capabilities, SpecLevel
 from kvconform.conformance.checks import run_time_clauses
-from kvconform.conformance.machine import Scheduling
+from kvconform.conformance.execution import RunStatistics, Scheduling
 from kvconform.conformance.runner import Outcome, RunResult
 from kvconform.spec import registry
 
@@ -63,13 +63,10 @@ class ShardResult(BaseModel):
 
     index: int = Field(description="the part, counted from 0")
     seed: int | None = Field(description="the seed it drew its programs from")
-    examples: int = Field(description="examples it ran")
-    rules: int
-    steps: int
+    statistics: RunStatistics = Field(description="what it counted")
     seconds: float
     outcome: Outcome
     failed_clause: str | None
-    found_at_example: int | None = Field(description="the example, counted from 1, in which it found its failure")
 
 
 class RunReport(BaseModel):
@@ -92,13 +89,8 @@ class RunReport(BaseModel):
     seconds: float = Field(description="wall-clock duration of the run")
     found_after: float | None = Field(None, description="seconds until the first failing program was found, before "
                                                         "shrinking; None when the run found none")
-    examples: int = Field(0, description="examples run: programs drawn, or replayed from the example database")
-    found_at_example: int | None = Field(None, description="the example, counted from 1, in which the run found its "
-                                                           "failure: 1 when the example database replayed it first")
-    rules: int = Field(description="state-machine rules run (Hypothesis's stateful steps), each one or more adapter calls")
-    steps: int = Field(description="engine steps judged: at the offloading level, compared with the reference's")
-    steps_after_known_failure: int = Field(0, description="of those, the steps judged after a known failure of their "
-                                                          "example, whose deviation the reference followed")
+    statistics: RunStatistics = Field(default_factory=RunStatistics, description="what the run counted: examples, "
+                                                                                "rules, steps, and where its time went")
     failed_clause: str | None = Field(description="the clause the run failed on")
     message: str | None = Field(description="what was wrong, naming the adapter call that gave it")
     counterexample: str | None = Field(description="the shrunk program of adapter calls that fails, as Python")
@@ -122,9 +114,7 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         seed=result.seed, scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],
         passed=result.passed, outcome=result.outcome,
         seconds=round(result.seconds, 3),
-        found_after=None if result.found_after is None else round(result.found_after, 3), examples=result.examples,
-        found_at_example=result.found_at_example, rules=result.rules, steps=result.steps,
-        steps_after_known_failure=result.steps_after_known_failure,
+        found_after=None if result.found_after is None else round(result.found_after, 3), statistics=result.statistics,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         program=result.program, adapter_traceback=result.adapter_traceback, known_failures=known_failures or {},
         run_time_coverage=run_time_coverage(clauses, result.levels), clauses=clauses,
@@ -179,23 +169,22 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
     stale = sorted(set(first.known_failures) - set(seen) - rare_known_failures)
     coverage = {c.id: sum(part.clauses[i].exercised for part in parts) for i, c in enumerate(first.clauses)}
     failure = dict(failed_clause=None, message=None, counterexample=None, program=None, adapter_traceback=None,
-                   found_after=None, found_at_example=None)
+                   found_after=None)
     if failing is not None:
         failure = {name: getattr(failing, name) for name in failure}
     elif stale:
         failure.update(failed_clause="CONF-RUN-2",
                        message=f"known failures that no longer fail (stale baseline entries): {', '.join(stale)}")
     clauses = _verdicts(coverage, failure["failed_clause"], seen)
+    statistics = sum((part.statistics for part in parts if part is not failing),  # found in the failing part
+                     RunStatistics() if failing is None else failing.statistics)
     run_report = first.model_copy(update=dict(
         seed=seed, passed=failure["failed_clause"] is None,
         outcome=failing.outcome if failing else "ok" if failure["failed_clause"] is None else "fail",
-        seconds=max(part.seconds for part in parts), examples=sum(part.examples for part in parts),
-        rules=sum(part.rules for part in parts), steps=sum(part.steps for part in parts),
-        steps_after_known_failure=sum(part.steps_after_known_failure for part in parts), **failure,
+        seconds=max(part.seconds for part in parts), statistics=statistics, **failure,
         clauses=clauses, run_time_coverage=run_time_coverage(clauses, first.levels),
-        shards=[ShardResult(index=index, seed=part.seed, examples=part.examples, rules=part.rules, steps=part.steps,
-                            seconds=part.seconds, outcome=part.outcome, failed_clause=part.failed_clause,
-                            found_at_example=part.found_at_example) for index, part in enumerate(parts)]))
+        shards=[ShardResult(index=index, seed=part.seed, statistics=part.statistics, seconds=part.seconds,
+                            outcome=part.outcome, failed_clause=part.failed_clause) for index, part in enumerate(parts)]))
     run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
     return run_report
 

@@ -18,7 +18,7 @@ from kvconform.common.values import SpecLevel
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.execution import Scheduling, Session, render
+from kvconform.conformance.execution import RunStatistics, Scheduling, Session, render
 from kvconform.conformance.machine import machine_for
 from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone
 from kvconform.conformance.shrinker import Replay, Shrinker
@@ -39,17 +39,7 @@ class RunResult:
     seconds: float
     scheduling: Scheduling = "both"
     found_after: float | None = None
-    examples: int = 0
-    found_at_example: int | None = None
-    """The example, counted from 1, in which the run found its failure: 1 for a failure replayed from the database."""
-    rules: int = 0
-    steps: int = 0
-    steps_after_known_failure: int = 0
-    adapter_seconds: float = 0.0
-    reference_seconds: float = 0.0
-    checks_seconds: float = 0.0
-    execution_seconds: float = 0.0
-    """Time spent running calls (adapter, reference, checks and the kit's handling of calls); the rest is Hypothesis's."""
+    statistics: RunStatistics = field(default_factory=RunStatistics)
     coverage: dict[str, int] = field(default_factory=dict)
     failed_clause: str | None = None
     message: str | None = None
@@ -97,15 +87,14 @@ def run(
     settings = profile_settings(profile, seed is not None, database, shard.examples(PROFILES[profile].max_examples))
     started = time.perf_counter()
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
-                       coverage=session.coverage)
+                       statistics=session.statistics, coverage=session.coverage)
     try:
         # Hypothesis reports nothing: the result reports the call program
         with reporting.with_reporter(lambda text: None), programs_from_seed_alone(), hang_detection():
             run_state_machine_as_test(machine, settings=settings)
     except ClauseViolation as violation:
         result.found_after = time.perf_counter() - started
-        _failed(result, _shrunk(session, Replay(list(session.last_execution.program), violation), PROFILES[profile]),
-                session)
+        _failed(result, _shrunk(session, Replay(violation.program, violation), PROFILES[profile]))
     except AdapterHung as hang:  # not shrunk: the unshrunk calls that led to the hang are the evidence
         result.passed = False
         result.failed_clause = hang.clause
@@ -115,7 +104,7 @@ def run(
         violation = _not_replayed(error)
         if violation is not None:
             result.found_after = time.perf_counter() - started
-            _failed(result, Replay(list(session.last_execution.program), violation), session)
+            _failed(result, Replay(violation.program, violation))
         else:
             result.passed = False
             result.failed_clause = "CONF-RUN-1"
@@ -126,22 +115,17 @@ def run(
         result.failed_clause = "CONF-RUN-2"
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"
     result.seconds = time.perf_counter() - started
-    result.rules, result.steps = session.rules, session.steps
-    result.steps_after_known_failure = session.steps_after_known_failure
-    result.examples, result.found_at_example = session.examples, session.failing_example
-    if session.last_execution is not None:
-        result.levels = session.last_execution.capabilities.levels
-    result.adapter_seconds, result.reference_seconds = session.adapter_seconds, session.reference_seconds
-    result.checks_seconds, result.execution_seconds = session.checks_seconds, session.execution_seconds
+    if session.capabilities is not None:
+        result.levels = session.capabilities.levels
     return result
 
 
-def _failed(result: RunResult, failing: Replay, session: Session) -> None:
+def _failed(result: RunResult, failing: Replay) -> None:
     """Record a failure; before the engine started, the calls that failed stand for the program."""
     result.passed = False
     result.failed_clause = failing.violation.clause
     result.message = failing.violation.detail
-    result.counterexample = render(failing.program) or "\n".join(session.last_execution.caller.trace)
+    result.counterexample = render(failing.program) or "\n".join(failing.violation.calls)
     result.program = [call.to_json() for call in failing.program]
     result.adapter_traceback = failing.violation.adapter_traceback
 
@@ -163,4 +147,4 @@ def _shrunk(session: Session, failing: Replay, profile: Profile) -> Replay:
     """Return the failing program shrunk within the profile's budget (CONF-RUN-3)."""
     if not failing.program:
         return failing
-    return Shrinker(session, session.last_execution.capabilities, profile.shrink_attempts).shrink(failing)
+    return Shrinker(session, session.capabilities, profile.shrink_attempts).shrink(failing)

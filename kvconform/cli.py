@@ -149,8 +149,8 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}")
     if run_report.outcome == "ok":
-        console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.steps} steps judged"
-                      + (f", {run_report.steps_after_known_failure} of them after a known failure"
+        console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.statistics.steps} steps judged"
+                      + (f", {run_report.statistics.steps_after_known_failure} of them after a known failure"
                          if run_report.known_failures else ""))
         return
     if run_report.outcome == "info":

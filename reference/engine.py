@@ -4,16 +4,18 @@ One `step()` is: schedule → connector metadata → worker flushes and loads �
 → output processing (SCHED-STEP-1). With async scheduling one batch is in flight: the output processed
 in step k is that of step k-1 (SCHED-ASYNC-1).
 
-The engine schedules by its own policy, or follows a `FollowedSchedule`: the choices another engine's scheduler
-made in the same step. Following, it runs its KV-cache manager, connector and store from those choices, so what
-they must do is known for any schedule, and records what it could not follow (`refused`).
+A step schedules by a `SchedulingPolicy`: the spec's own (`OwnPolicy`), or `FollowingPolicy`, the choices another
+engine's scheduler made in the same step (`FollowedSchedule`). Following, it runs its KV-cache manager, connector and
+store from those choices, so what they must do is known for any schedule, and records what it could not follow
+(`StepFacts.refused`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -69,8 +71,35 @@ class FollowedSchedule:
 
 
 @dataclass
+class StepFacts:
+    """What a step's scheduling did that no observation shows, for the checks of the schedule and the bytes."""
+
+    running_at_schedule: list[str] = field(default_factory=list)
+    """The requests running when the step began scheduling, in order (SCHED-PREEMPT-1, SCHED-ORDER-1)."""
+    ready_holders: list[str] = field(default_factory=list)
+    """Block holders whose load had ended when the step began admitting, taken up or not, in order (SCHED-ORDER-1)."""
+    resumed: list[str] = field(default_factory=list)
+    """Block holders that the step ran (SCHED-ORDER-1, LIFE-LOAD-2)."""
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    """What a followed schedule asked that the free blocks did not allow: (clause, why) (SCHED-ALLOC-1)."""
+    sampled_in_flight: Mapping[str, int] = field(default_factory=dict)
+    """The token each request sampled in the batch still in flight, which the model runner already knows
+    (SCHED-ASYNC-1)."""
+
+    def runner_tokens(self, request: Request) -> tuple[int, ...]:
+        """Return a request's tokens as the model runner knew them at the end of the step."""
+        return runner_tokens(request, self.sampled_in_flight)
+
+
+def runner_tokens(request: Request, sampled_in_flight: Mapping[str, int]) -> tuple[int, ...]:
+    """Return a request's tokens as the model runner knows them: the scheduler's plus the one still in flight."""
+    pending = sampled_in_flight.get(request.request_id)
+    return request.tokens if pending is None else (*request.tokens, pending)
+
+
+@dataclass
 class StepResult:
-    """What a step did, for the reference adapter to turn into a `StepObservation`."""
+    """What a step did, for `reference.observation` to turn into a `StepObservation`, and its `facts`."""
 
     scheduled_tokens: dict[str, int]
     computed_tokens: dict[str, int]
@@ -81,6 +110,128 @@ class StepResult:
     store_reads_in_flight: set[int] = field(default_factory=set)
     reports: ConnectorReports = field(default_factory=ConnectorReports)
     preempted: set[str] = field(default_factory=set)
+    facts: StepFacts = field(default_factory=StepFacts)
+
+
+class SchedulingPolicy(Protocol):
+    """What a step's scheduler chooses (chapter `scheduling`); `Engine._schedule` carries the choices out.
+
+    Two implement it: the spec's own policy (`OwnPolicy`), and another engine's choices followed (`FollowingPolicy`).
+    """
+
+    admits_after_preemption: bool
+    """Whether waiting requests are considered in a step that preempted a running one (SCHED-ORDER-1)."""
+    refused: list[tuple[str, str]]
+    """The choices the free blocks did not allow: (clause, why)."""
+
+    def running_tokens(self, request: Request, budget: int) -> int:
+        """Return the tokens to schedule for a running request, 0 to skip it."""
+
+    def victim(self, running: list[Request], request: Request) -> Request | None:
+        """Return the running request to preempt for `request`'s room, None when there is none (SCHED-PREEMPT-1)."""
+
+    def more_victims(self, running: list[Request]) -> list[Request]:
+        """Return the running requests to preempt once the running ones are scheduled, newest first."""
+
+    def queue(self, waiting: list[Request]) -> list[Request]:
+        """Return the waiting requests to consider, in order (SCHED-ORDER-1)."""
+
+    def considers(self, budget: int) -> bool:
+        """Return True if the next waiting request is considered with `budget` tokens left."""
+
+    def waiting_tokens(self, request: Request, num_computed: int, load_async: bool, budget: int) -> int | None:
+        """Return the tokens to schedule for a waiting request with `num_computed` tokens hit, None to leave it waiting."""
+
+    def refuse(self, clause: str, why: str) -> bool:
+        """The free blocks do not hold what was chosen: return True to go on with the next waiting request, the
+        choice recorded as refused, or False to stop there (SCHED-ALLOC-1, SCHED-ADMIT-1)."""
+
+
+class OwnPolicy:
+    """The spec's own scheduling policy: running requests first, each all it has left within the budget; then waiting
+    ones in queue order, while the budget lasts, none in a step that preempted; the newest running request preempted
+    for room (SCHED-ORDER-1, SCHED-PREEMPT-1)."""
+
+    admits_after_preemption = False
+
+    def __init__(self) -> None:
+        self.refused: list[tuple[str, str]] = []
+
+    def running_tokens(self, request: Request, budget: int) -> int:
+        if len(request.output) + request.num_output_placeholders >= request.max_tokens:
+            return 0
+        return max(min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget), 0)
+
+    def victim(self, running: list[Request], request: Request) -> Request | None:
+        """Return the newest running request, `request` itself if it is the newest."""
+        return running[-1]
+
+    def more_victims(self, running: list[Request]) -> list[Request]:
+        return []
+
+    def queue(self, waiting: list[Request]) -> list[Request]:
+        return list(waiting)
+
+    def considers(self, budget: int) -> bool:
+        return budget > 0
+
+    def waiting_tokens(self, request: Request, num_computed: int, load_async: bool, budget: int) -> int | None:
+        return 0 if load_async else min(request.num_tokens - num_computed, budget)
+
+    def refuse(self, clause: str, why: str) -> bool:
+        """Stop: a request the free blocks do not hold waits, and so do those behind it."""
+        return False
+
+
+@dataclass
+class FollowingPolicy:
+    """Another engine's scheduling choices in one step, followed: its tokens, its order, its admissions, its victims;
+    what the free blocks do not allow is recorded as refused and the rest followed (SCHED-STEP-2)."""
+
+    schedule: FollowedSchedule
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    admits_after_preemption = True
+
+    def running_tokens(self, request: Request, budget: int) -> int:
+        return self.schedule.scheduled_tokens.get(request.request_id, 0)
+
+    def victim(self, running: list[Request], request: Request) -> Request | None:
+        """Return the newest of the running requests the followed scheduler preempted, None when none is left."""
+        return next((r for r in reversed(running) if r.request_id in self.schedule.preempted), None)
+
+    def more_victims(self, running: list[Request]) -> list[Request]:
+        return [r for r in reversed(running) if r.request_id in self.schedule.preempted]
+
+    def queue(self, waiting: list[Request]) -> list[Request]:
+        by_id = {request.request_id: request for request in waiting}
+        return [by_id[request_id] for request_id in self.schedule.considered if request_id in by_id]
+
+    def considers(self, budget: int) -> bool:
+        return True
+
+    def waiting_tokens(self, request: Request, num_computed: int, load_async: bool, budget: int) -> int | None:
+        if request.request_id not in self.schedule.admitted:
+            return None
+        return 0 if load_async else self.schedule.scheduled_tokens.get(request.request_id, 0)
+
+    def refuse(self, clause: str, why: str) -> bool:
+        self.refused.append((clause, why))
+        return True
+
+
+@dataclass
+class Scheduling:
+    """One step's scheduling under way: the policy it follows, and what it has chosen so far."""
+
+    policy: SchedulingPolicy
+    deviations: KnownDeviations
+    budget: int
+    preempted: set[str]
+    """Requests preempted since the previous schedule, and by this one to make room (SCHED-PREEMPT-1)."""
+    facts: StepFacts
+    scheduled: dict[str, int] = field(default_factory=dict)
+    allocated: set[int] = field(default_factory=set)
+    first_run: set[int] = field(default_factory=set)
 
 
 class Engine:
@@ -96,6 +247,7 @@ class Engine:
         connector: Callable[[OffloadManager, EngineConfig, StepRecorder], OffloadConnectorScheduler] = (
             OffloadConnectorScheduler),
         worker: Callable[[TransferEngine], OffloadConnectorWorker] = OffloadConnectorWorker,
+        policy: Callable[[], SchedulingPolicy] = OwnPolicy,
     ) -> None:
         """Build the engine for `config` from its parts, each made by the factory of its name: the reference's
         classes, or a part a caller hands in instead (a mutant's)."""
@@ -107,6 +259,8 @@ class Engine:
         self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
                                        config.block_size_factor, config.token_width, config.kv_dtype, device)
         self.worker = worker(self.transfer)
+        self.policy = policy()
+        """The scheduling policy of a step that follows no other engine's schedule."""
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -114,17 +268,6 @@ class Engine:
         self.holders: dict[str, int] = {}
         """Waiting requests that hold GPU blocks, admitted with a load → when; considered first until they run."""
         self.load_order = itertools.count()
-        self.resumed: list[str] = []
-        """Block holders that the latest step ran (SCHED-ORDER-1)."""
-        self.ready_holders: list[str] = []
-        """Block holders whose load had ended when the latest step began admitting, taken up or not, in order
-        (SCHED-ORDER-1)."""
-        self.running_at_schedule: list[str] = []
-        """The requests running when the latest step began scheduling, in order (SCHED-ORDER-1)."""
-        self.refused: list[tuple[str, str]] = []
-        """What the latest step's followed schedule asked that the free blocks did not allow: (clause, why)."""
-        self.adopted: list[tuple[str, str]] = []
-        """The known deviations of the followed engine the latest step took in place of its own choice: (clause, what)."""
         self.delayed_free: set[str] = set()
         self.preempted_since_schedule: set[str] = set()
         self.inflight_prefills: set[str] = set()
@@ -225,15 +368,19 @@ class Engine:
         With `complete_in_step` (whether loads fail, whether stores fail), the jobs in flight finish after the step's
         stores are submitted, before the worker reports its finished jobs: they are reported in this step
         (CONN-STEP-4). With `followed`, the step schedules as another engine's scheduler did, and its connector and
-        store take that engine's `deviations`."""
+        store take that engine's `deviations`. The result's `facts` say what the scheduling did that the
+        observation does not show."""
         scheduled: dict[str, int] = {}
         writes: set[int] = set()
         reads_in_flight: set[int] = set()
         preempted: set[str] = set()
-        self.resumed, self.refused = [], []
+        facts = StepFacts()
         if self.has_work():
             preempted_before = set(self.preempted_since_schedule)
-            output = self._schedule(followed, deviations)
+            policy = self.policy if followed is None else FollowingPolicy(followed)
+            output = self._schedule(Scheduling(policy, deviations, self.config.max_num_batched_tokens,
+                                               self.preempted_since_schedule, facts))
+            facts.refused = list(policy.refused)
             preempted = output.preempted_request_ids - preempted_before
             if self.config.async_scheduling and output.num_scheduled_tokens:
                 self.scheduled_steps += 1
@@ -251,10 +398,10 @@ class Engine:
         elif self.in_flight is not None:
             previous, self.in_flight = self.in_flight, None
             self._process(previous)
+        facts.sampled_in_flight = {} if self.in_flight is None else self.in_flight.sampled
         result = StepResult(scheduled, self._computed_tokens(), self.recorder.take(), self._step_finished,
-                            self._step_freed, writes, reads_in_flight, self._step_reports, preempted)
+                            self._step_freed, writes, reads_in_flight, self._step_reports, preempted, facts)
         self._step_finished, self._step_freed, self._step_reports = [], [], ConnectorReports()
-        self.adopted = result.trace.adopted
         return result
 
     def has_work(self) -> bool:
@@ -275,69 +422,48 @@ class Engine:
     def _computed_tokens(self) -> dict[str, int]:
         return {r.request_id: r.num_computed_tokens for r in (*self.waiting, *self.running)}
 
-    def _schedule(self, followed: FollowedSchedule | None, deviations: KnownDeviations) -> SchedulerOutput:
+    def _schedule(self, step: Scheduling) -> SchedulerOutput:
         """Schedule running requests first, then waiting ones, within the token budget (SCHED-ORDER-1)."""
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        allocated: set[int] = set()
-        first_run: set[int] = set()
-        preempted = self.preempted_since_schedule
+        policy = step.policy
         self.preempted_since_schedule = set()
-        self.running_at_schedule = [request.request_id for request in self.running]
+        step.facts.running_at_schedule = [request.request_id for request in self.running]
         for request in list(self.running):
             if request not in self.running:
                 continue
-            num_new = (self._running_tokens(request, budget) if followed is None
-                       else followed.scheduled_tokens.get(request.request_id, 0))
+            num_new = policy.running_tokens(request, step.budget)
             if num_new == 0:
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new, preempted, followed)
+            new_blocks = self._allocate_or_preempt(request, num_new, step)
             if new_blocks is None:
                 break
-            allocated.update(new_blocks)
-            scheduled[request.request_id] = num_new
-            budget -= num_new
-        if followed is not None:
-            for request in [r for r in reversed(self.running) if r.request_id in followed.preempted]:
-                self._preempt_victim(request, preempted)
-        if followed is not None or not preempted:
-            budget = self._schedule_waiting(budget, scheduled, allocated, first_run, followed, deviations)
+            step.allocated.update(new_blocks)
+            step.scheduled[request.request_id] = num_new
+            step.budget -= num_new
+        for request in policy.more_victims(self.running):
+            self._preempt_victim(request, step.preempted)
+        if policy.admits_after_preemption or not step.preempted:
+            self._schedule_waiting(step)
         finished, self.finished_since_schedule = self.finished_since_schedule, []
+        scheduled = step.scheduled
         return SchedulerOutput(scheduled, {rid: self.requests[rid] for rid in scheduled},
-                               {rid: list(self.kv.blocks_of(rid)) for rid in scheduled}, allocated, preempted, finished,
-                               first_run)
+                               {rid: list(self.kv.blocks_of(rid)) for rid in scheduled}, step.allocated,
+                               step.preempted, finished, step.first_run)
 
-    @staticmethod
-    def _running_tokens(request: Request, budget: int) -> int:
-        """Return the tokens the own policy schedules for a running request: all it has left, within the budget."""
-        if len(request.output) + request.num_output_placeholders >= request.max_tokens:
-            return 0
-        return max(min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget), 0)
-
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str],
-                             followed: FollowedSchedule | None) -> list[int] | None:
-        """Allocate for a running request, preempting victims until it fits (SCHED-PREEMPT-1); following, the
-        request must fit once the followed scheduler's victims are preempted."""
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: Scheduling) -> list[int] | None:
+        """Allocate for a running request, preempting the policy's victims until it fits (SCHED-PREEMPT-1); with no
+        victim left, the allocation is refused (SCHED-ALLOC-1)."""
         while True:
             new_blocks = self.kv.allocate_slots(request, num_new, [], 0, delay_caching=False)
             if new_blocks is not None:
                 return new_blocks
-            victim = self._victim(request, followed)
+            victim = step.policy.victim(self.running, request)
             if victim is None:
-                if followed is not None:
-                    self.refused.append(("SCHED-ALLOC-1", f"{request.request_id!r} was scheduled {num_new} tokens, "
-                                                          f"for which the free blocks do not hold"))
+                step.policy.refuse("SCHED-ALLOC-1", f"{request.request_id!r} was scheduled {num_new} tokens, for which "
+                                                    f"the free blocks do not hold")
                 return None
-            self._preempt_victim(victim, preempted)
+            self._preempt_victim(victim, step.preempted)
             if victim is request:
                 return None
-
-    def _victim(self, request: Request, followed: FollowedSchedule | None) -> Request | None:
-        """Return the running request to preempt for `request`'s room: the newest one (SCHED-PREEMPT-1), itself if it
-        is the newest; following, the newest of those the followed scheduler preempted, None when none is left."""
-        if followed is None:
-            return self.running[-1]
-        return next((r for r in reversed(self.running) if r.request_id in followed.preempted), None)
 
     def _preempt_victim(self, victim: Request, preempted: set[str]) -> None:
         """Preempt a running request to make room in this step's scheduling (SCHED-PREEMPT-1)."""
@@ -345,21 +471,16 @@ class Engine:
         preempted.add(victim.request_id)
         self.preempted_since_schedule.discard(victim.request_id)
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], allocated: set[int],
-                          first_run: set[int], followed: FollowedSchedule | None, deviations: KnownDeviations) -> int:
-        """Admit waiting requests: local hit, then the connector's external hit (CONN-MATCH-1, SCHED-ALLOC-1);
-        following, those the followed scheduler considered, in its order, admitting those it admitted."""
+    def _schedule_waiting(self, step: Scheduling) -> None:
+        """Admit waiting requests in the policy's order: take up finished loads, ask the local prefix cache, then the
+        connector (CONN-MATCH-1), and allocate for the full sequence (SCHED-ADMIT-1, SCHED-ALLOC-1)."""
         self.order_waiting()
-        self.ready_holders = [request.request_id for request in self.waiting if request.request_id in self.holders
-                              and (request.request_id in self.loads_done
-                                   or request.status is not RequestStatus.WAITING_FOR_LOAD)]
-        if followed is None:
-            queue = list(self.waiting)
-        else:
-            waiting = {request.request_id: request for request in self.waiting}
-            queue = [waiting[request_id] for request_id in followed.considered if request_id in waiting]
-        for request in queue:
-            if followed is None and budget == 0:
+        step.facts.ready_holders = [request.request_id for request in self.waiting if request.request_id in self.holders
+                                    and (request.request_id in self.loads_done
+                                         or request.status is not RequestStatus.WAITING_FOR_LOAD)]
+        policy = step.policy
+        for request in policy.queue(self.waiting):
+            if not policy.considers(step.budget):
                 break
             if request.status is RequestStatus.WAITING_FOR_LOAD:
                 if request.request_id not in self.loads_done:
@@ -370,32 +491,27 @@ class Engine:
             load_async = False
             if request.num_computed_tokens == 0:
                 local_blocks, num_local = self.kv.get_computed_blocks(request)
-                answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local, deviations)
+                answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local, step.deviations)
                 self.recorder.answers.append((request.request_id, num_local, answer, load_async))
                 if answer is None:
                     continue  # asked again in a later step, keeping its place (SCHED-ORDER-1)
                 num_external = answer
             num_computed = request.num_computed_tokens + num_local + num_external
-            if followed is None:
-                num_new = 0 if load_async else min(request.num_tokens - num_computed, budget)
-            elif request.request_id in followed.admitted:
-                num_new = 0 if load_async else followed.scheduled_tokens.get(request.request_id, 0)
-            else:
-                continue  # the followed scheduler left it waiting
+            num_new = policy.waiting_tokens(request, num_computed, load_async, step.budget)
+            if num_new is None:
+                continue  # the policy leaves it waiting
             new_blocks = None
-            # SCHED-ADMIT-1: the full sequence must fit, not only the first chunk
-            if self.kv.holds_sequence(request, local_blocks):
+            if self.kv.holds_sequence(request, local_blocks):  # the full sequence must fit, not only the first chunk
                 reserved = self._prefill_reservation() if load_async else 0
                 new_blocks = self.kv.allocate_slots(request, num_new, local_blocks, num_external,
                                                     delay_caching=load_async, reserved=reserved)
-            if new_blocks is None and followed is not None:
-                self.refused.append(("SCHED-ADMIT-1", f"{request.request_id!r} was admitted, but the free blocks do "
-                                                      f"not hold its full sequence ({request.num_tokens} tokens)"))
-                continue
             if new_blocks is None:
+                if policy.refuse("SCHED-ADMIT-1", f"{request.request_id!r} was admitted, but the free blocks do not "
+                                                  f"hold its full sequence ({request.num_tokens} tokens)"):
+                    continue
                 break
-            allocated.update(new_blocks)
-            first_run.update(local_blocks)
+            step.allocated.update(new_blocks)
+            step.first_run.update(local_blocks)
             self.connector.update_state_after_alloc(request, self.kv.blocks_of(request.request_id), num_external)
             request.num_computed_tokens = num_computed
             if load_async or num_computed + num_new < request.num_tokens:
@@ -406,14 +522,13 @@ class Engine:
                 self.holders.setdefault(request.request_id, next(self.load_order))
                 continue
             if self.holders.pop(request.request_id, None) is not None:
-                self.resumed.append(request.request_id)
-                first_run.update(self.kv.blocks_of(request.request_id))
+                step.facts.resumed.append(request.request_id)
+                step.first_run.update(self.kv.blocks_of(request.request_id))
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled[request.request_id] = num_new
-            budget -= num_new
-        return budget
+            step.scheduled[request.request_id] = num_new
+            step.budget -= num_new
 
     def _prefill_reservation(self) -> int:
         """Return the blocks that in-flight prefills still need to hold their full sequence (SCHED-ADMIT-1)."""
@@ -452,22 +567,13 @@ class Engine:
                 request.num_output_placeholders += 1
         return starts
 
-    def runner_tokens(self, request: Request) -> tuple[int, ...]:
-        """Return the tokens as the model runner knows them: the scheduler's plus the one still in flight."""
-        tokens = request.tokens
-        if self.in_flight is not None:
-            pending = self.in_flight.sampled.get(request.request_id)
-            if pending is not None:
-                tokens += (pending,)
-        return tokens
-
     def _forward(self, output: SchedulerOutput, starts: dict[str, int]) -> tuple[dict[str, int], set[int]]:
         """Write each scheduled token's KV into its GPU block; sample at the sequence end (XFER-DATA-1, XFER-DATA-2)."""
         sampled: dict[str, int] = {}
         writes: set[int] = set()
         for request_id, num_new in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
-            tokens = self.runner_tokens(request)
+            tokens = runner_tokens(request, {} if self.in_flight is None else self.in_flight.sampled)
             start, end = starts[request_id], starts[request_id] + num_new
             states = request.token_states(end, tokens)
             blocks = output.block_ids[request_id]

@@ -53,13 +53,13 @@ def test_split_run_is_merged_into_one_report(xdist_pytester: pytest.Pytester) ->
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["merged from 2 parts drawn from seed 0: seed 0 ok *, seed 1 ok *"])
     assert (merged["outcome"], merged["seed"], [part["seed"] for part in merged["shards"]]) == ("ok", 0, [0, 1])
-    assert merged["examples"] == sum(part["examples"] for part in merged["shards"])
-    assert merged["rules"] == sum(part["rules"] for part in merged["shards"])
+    assert merged["statistics"]["examples"] == sum(part["statistics"]["examples"] for part in merged["shards"])
+    assert merged["statistics"]["rules"] == sum(part["statistics"]["rules"] for part in merged["shards"])
     cases = ElementTree.parse(junit).getroot().iter("testcase")
     assert sorted(case.get("name").split()[0] for case in cases) == sorted(registry.clauses())
     _, again = run_split(xdist_pytester, "--kv-adapter=reference", "--kv-profile=smoke")
-    assert [(part["rules"], part["steps"]) for part in again["shards"]] == \
-        [(part["rules"], part["steps"]) for part in merged["shards"]]
+    assert [(part["statistics"]["rules"], part["statistics"]["steps"]) for part in again["shards"]] == \
+        [(part["statistics"]["rules"], part["statistics"]["steps"]) for part in merged["shards"]]
 
 
 @pytest.mark.long
@@ -69,11 +69,11 @@ def test_failure_found_by_one_run_is_replayed_first_by_the_next(xdist_pytester: 
     database = f"--kv-database={xdist_pytester.path / 'examples'}"
     first, killed = run_split(xdist_pytester, f"--kv-adapter={MUTANT}", "--kv-profile=ci", "--kv-seed=1", database)
     first.assert_outcomes(failed=2)
-    assert killed["failed_clause"] == "OFF-READ-1" and killed["found_at_example"] > 1
+    assert killed["failed_clause"] == "OFF-READ-1" and killed["statistics"]["found_at_example"] > 1
     rerun, replayed = run_split(xdist_pytester, f"--kv-adapter={MUTANT}", "--kv-profile=ci", "--kv-seed=3",
                                 database)
     rerun.assert_outcomes(failed=2)
-    assert [(part["failed_clause"], part["found_at_example"]) for part in replayed["shards"]] == [("OFF-READ-1", 1)] * 2
+    assert [(part["failed_clause"], part["statistics"]["found_at_example"]) for part in replayed["shards"]] == [("OFF-READ-1", 1)] * 2
 
 
 @pytest.mark.long
@@ -147,9 +147,9 @@ def test_redis_database_replays_a_failure_first(redis_url: str) -> None:
         return runner.run(mutant.adapter, "skip-flag-ignored", "smoke", seed, database=database)
 
     first = run(1)
-    assert (first.failed_clause, first.found_at_example > 1) == ("OFF-READ-1", True)
+    assert (first.failed_clause, first.statistics.found_at_example > 1) == ("OFF-READ-1", True)
     again = run(3)
-    assert (again.failed_clause, again.found_at_example) == ("OFF-READ-1", 1)
+    assert (again.failed_clause, again.statistics.found_at_example) == ("OFF-READ-1", 1)
 
 
 def test_derandomised_run_ignores_the_database(tmp_path: Path) -> None:
@@ -158,7 +158,7 @@ def test_derandomised_run_ignores_the_database(tmp_path: Path) -> None:
     mutant = MUTANTS["skip-flag-ignored"]
     first = runner.run(mutant.adapter, "skip-flag-ignored", "smoke", None, database=database)
     again = runner.run(mutant.adapter, "skip-flag-ignored", "smoke", None, database=database)
-    assert first.found_at_example == again.found_at_example > 1
+    assert first.statistics.found_at_example == again.statistics.found_at_example > 1
     assert not list(tmp_path.iterdir())
 
 

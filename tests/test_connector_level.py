@@ -9,8 +9,10 @@ from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import runner
-from kvconform.conformance.execution import Execution, Session
-from kvconform.conformance.mutants import MUTANTS, black_box
+from kvconform.conformance.connector_level import ConnectorJudge
+from kvconform.conformance.execution import Call, Execution, Session, replay
+from kvconform.conformance.offloading_level import OffloadingJudge
+from kvconform.conformance.mutants import MUTANTS, FinishesEarlyEngine, black_box
 from kvconform.reference.engine import Engine
 from kvconform.reference.kv_history import KVHistory
 
@@ -79,7 +81,26 @@ def test_connector_level_alone_steps_no_reference() -> None:
     """An adapter reporting the connector level only is judged on its own schedule: no reference engine runs."""
     execution = Execution(Session(black_box(ReferenceAdapter)))
     assert execution.begin().levels == ("connector",)
-    assert execution.oracle is None
+    execution.apply(Call("start", (EngineConfig(),)))
+    assert [type(judge) for judge in execution.judges] == [ConnectorJudge]
+
+
+def test_both_levels_are_judged_the_deeper_first() -> None:
+    """An adapter reporting the offloading level is judged at both levels, the offloading level first: its failures
+    name the block and the cause."""
+    execution = Execution(Session(ReferenceAdapter))
+    execution.begin()
+    execution.apply(Call("start", (EngineConfig(),)))
+    assert [type(judge) for judge in execution.judges] == [OffloadingJudge, ConnectorJudge]
+
+
+def test_the_offloading_judge_follows_the_reference_it_is_given() -> None:
+    """The offloading level's reference engine is injected (`Session.reference`), not wired in: judged against one
+    that finishes requests an output early, the reference adapter fails LIFE-FIN-1."""
+    program = [Call("start", (EngineConfig(),)), Call("add_request", (RequestSpec(request_id="r", prompt=PROMPT,
+                                                                                 max_tokens=3),)), Call("drain")]
+    assert replay(Session(ReferenceAdapter), program).violation is None
+    assert replay(Session(ReferenceAdapter, reference=FinishesEarlyEngine), program).violation.clause == "LIFE-FIN-1"
 
 
 @pytest.mark.parametrize("scheduling", ["sync", "async"])

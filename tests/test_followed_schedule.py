@@ -9,8 +9,9 @@ from __future__ import annotations
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import EngineConfig, MatchAnswer, RequestSpec, StepObservation
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.execution import Call, Session, replay, schedule_of
-from kvconform.reference.engine import Engine
+from kvconform.conformance.execution import Call, Session, replay
+from kvconform.conformance.offloading_level import schedule_of
+from kvconform.reference.engine import Engine, OwnPolicy
 
 PROMPT = (2,) * 8 + (3, 1, 0, 0)
 LONG_PROMPT = (0, 2) * 23 + (0, 1)
@@ -71,9 +72,21 @@ class KeepsInFlightRequestEngine(Engine):
     """vLLM 0.34's `_request_blocks_can_be_freed`: a request whose step is still in flight is not preempted for room;
     scheduling of running requests stops there instead."""
 
-    def _victim(self, request, followed):
-        victim = self.running[-1]
-        return None if self.last_scheduled.get(victim.request_id, 0) > self.processed_steps else victim
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy = KeepsInFlightRequestPolicy(self)
+
+
+class KeepsInFlightRequestPolicy(OwnPolicy):
+    """The reference's policy, but no victim whose step is still in flight on `engine`."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def victim(self, running, request):
+        victim = running[-1]
+        return None if self.engine.last_scheduled.get(victim.request_id, 0) > self.engine.processed_steps else victim
 
 
 class RecordingAdapter(ReferenceAdapter):
@@ -150,9 +163,9 @@ class LeavesLoadedRequestWaitingEngine(Engine):
 
         self.kv.holds_sequence = holds_unless_taken_up
 
-    def _schedule(self, followed, deviations):
+    def _schedule(self, step):
         self.taken_up.clear()
-        return super()._schedule(followed, deviations)
+        return super()._schedule(step)
 
     def _finish_load(self, request, success) -> None:
         super()._finish_load(request, success)

@@ -45,7 +45,7 @@ def test_a_known_deviation_is_followed_and_the_example_goes_on(adapter, clauses)
     assert run(adapter, {}).failed_clause in clauses
     listed = run(adapter, dict.fromkeys(clauses, "the implementation's own choice"))
     assert listed.passed and set(listed.known_failures) <= set(clauses), listed.message
-    assert listed.steps_after_known_failure > 0
+    assert listed.statistics.steps_after_known_failure > 0
 
 
 def test_a_followed_offer_still_fails_the_skip_read_rule():

@@ -644,10 +644,11 @@ def test_connector_reset_discards_the_jobs_in_flight():
     for call in (Call("start", (EngineConfig(block_size_factor=1),)),
                  Call("add_request", (RequestSpec(request_id="r", prompt=PROMPT),)), Call("step")):
         execution.apply(call)
-    assert set(execution.ctx.jobs_in_flight) == {(True, "r", (0, 1, 2))}
+    offloading = execution.judges[0].ctx
+    assert set(offloading.jobs_in_flight) == {(True, "r", (0, 1, 2))}
     execution.apply(Call("reset_prefix_cache", (True,)))
     execution.apply(Call("drain"))
-    assert not execution.ctx.jobs_in_flight
+    assert not offloading.jobs_in_flight
 
 
 def test_store_offered_again_after_no_room(conn):
@@ -1124,7 +1125,7 @@ def test_blockref_identity(engine):
     """CONF-OBS-2: a BlockRef stands for its block's hash; one naming no full offloaded block is a violation."""
     e = engine(block_size_factor=3)
     e.add_request(RequestSpec(request_id="r", prompt=PROMPT + (0,)))
-    ctx = Context(e.config, {}, e)
+    ctx = Context(e.config, {}, e.requests)
     assert ctx.identity(BlockRef(request_id="r", index=0)) == e.requests["r"].block_hashes[2]
     with pytest.raises(ClauseViolation, match="CONF-OBS-2"):
         ctx.identity(BlockRef(request_id="r", index=1))
@@ -1155,7 +1156,7 @@ def test_programs_do_not_depend_on_imports(monkeypatch, tmp_path):
                                                    derandomize=True))
     def drawn():
         result = runner.run(ReferenceAdapter, "reference", "short")
-        return result.rules, result.steps, dict(result.coverage)
+        return result.statistics.rules, result.statistics.steps, dict(result.coverage)
     before = drawn()
     (tmp_path / "adapter_constants.py").write_text(f"SIZES = {list(range(300))}\nNAMES = {[f'r{i}' for i in range(50)]}\n")
     monkeypatch.syspath_prepend(tmp_path)

@@ -352,7 +352,7 @@ def test_state_machine_verdict(kind: str) -> None:
     if seed_bug:
         known.entries.pop("OFF-READ-1")
     result = runner.run(adapter_class(kind), name, "smoke", baseline=known)
-    assert result.steps > 0
+    assert result.statistics.steps > 0
     if seed_bug:
         assert result.failed_clause == "OFF-READ-1", (result.failed_clause, result.message, result.counterexample)
         assert result.counterexample_requests <= 3, result.counterexample

@@ -18,7 +18,7 @@ import torch
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import Capabilities, SpecLevel
 from kvconform.reference.connector import NO_DEVIATIONS, OffloadConnectorScheduler, OffloadConnectorWorker
-from kvconform.reference.engine import Engine
+from kvconform.reference.engine import Engine, OwnPolicy
 from kvconform.reference.hashing import block_hashes
 from kvconform.reference.kv_cache import BlockPool, KVCacheManager
 from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
@@ -443,11 +443,11 @@ class TakesUpLoadsEarlyEngine(Engine):
     """A request waiting for its load is taken up as soon as it is considered, before the connector reports the load
     finished: its blocks are cached, and it runs, over KV not loaded yet (what WAITING_FOR_REMOTE_KVS prevents)."""
 
-    def _schedule_waiting(self, budget, *args):
+    def _schedule_waiting(self, step):
         for request in self.waiting:
             if request.status is RequestStatus.WAITING_FOR_LOAD:
                 self.loads_done.setdefault(request.request_id, True)
-        return super()._schedule_waiting(budget, *args)
+        super()._schedule_waiting(step)
 
 
 class FinishesEarlyEngine(Engine):
@@ -491,12 +491,20 @@ class IgnoresTokenBudgetEngine(Engine):
         super().__init__(config.model_copy(update={"max_num_batched_tokens": 1 << 30}), device)
 
 
-class PreemptsOldestEngine(Engine):
+class PreemptsOldestPolicy(OwnPolicy):
     """A running request short of blocks preempts the oldest running request the step has not scheduled yet, instead
     of the newest."""
 
-    def _victim(self, request, followed):
-        return self.running[self.running.index(request) + 1] if request is not self.running[-1] else request
+    def victim(self, running, request):
+        return running[running.index(request) + 1] if request is not running[-1] else request
+
+
+class PreemptsOldestEngine(Engine):
+    """The engine scheduling by `PreemptsOldestPolicy` (its adapter's name, like every mutant's, seeds the draws of a
+    derandomised run)."""
+
+    def __init__(self, config, device=None):
+        super().__init__(config, device, policy=PreemptsOldestPolicy)
 
 
 class FirstChunkKVCacheManager(KVCacheManager):
