@@ -14,12 +14,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+CONCRETE_ADAPTERS = tuple(sorted(
+    "kvconform.adapters." + ".".join(path.relative_to(ROOT / "adapters").with_suffix("").parts)
+    for path in (ROOT / "adapters").iterdir() if path.name not in ("__init__.py", "contract.py", "registry.py")
+    and (path.suffix == ".py" or path.is_dir()) and not path.name.startswith(("_", "."))))
+"""The adapters themselves: every module under adapters/ but the contract and the registry that names them."""
+
 FORBIDDEN_IMPORTS = {
     "common": ("kvconform.adapters", "kvconform.conformance", "kvconform.reference"),
     "reference": ("kvconform.adapters", "kvconform.conformance"),
     "adapters/vllm": ("kvconform.reference", "kvconform.conformance"),
+    "conformance": CONCRETE_ADAPTERS,
 }
-"""Folder of the tree → the packages no module under it may import, at any depth of its code."""
+"""Folder of the tree → the packages no module under it may import, at any depth of its code. The kit judges an
+adapter through the contract alone, against the spec's model (`kvconform.reference`), never against an adapter."""
+
+EXEMPT = {"conformance/mutants": "the mutant catalogue: adapters built from the reference adapter, one bug each"}
+"""Folders inside a layer that the layer's rule does not bind, and why."""
 
 
 def package_of(path: Path) -> str:
@@ -49,7 +60,8 @@ def forbidden(modules: set[str], packages: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN_IMPORTS))
 def test_layer_imports_nothing_it_must_not(folder: str) -> None:
     packages = FORBIDDEN_IMPORTS[folder]
-    sources = sorted((ROOT / folder).rglob("*.py"))
+    sources = sorted(path for path in (ROOT / folder).rglob("*.py")
+                     if not any(path.is_relative_to(ROOT / exempt) for exempt in EXEMPT))
     assert sources, f"{folder}/ has no Python sources"
     for path in sources:
         found = forbidden(imported_modules(path.read_text(encoding="utf-8"), package_of(path)), packages)
@@ -79,6 +91,18 @@ def test_the_contract_is_imported_for_what_it_defines() -> None:
 def test_every_form_of_a_forbidden_import_is_found(source: str) -> None:
     """The scan sees absolute, package-relative and function-level imports, whichever way they are written."""
     assert forbidden(imported_modules(source, "kvconform.reference"), FORBIDDEN_IMPORTS["reference"])
+
+
+def test_the_kit_may_not_import_the_reference_adapter() -> None:
+    """The offloading level's judge follows an injected reference engine, not the reference adapter: conformance/
+    may import the spec's model and the adapter contract, no adapter."""
+    assert "kvconform.adapters.reference" in CONCRETE_ADAPTERS and "kvconform.adapters.vllm" in CONCRETE_ADAPTERS
+    assert forbidden(imported_modules("from kvconform.adapters.reference import ReferenceAdapter",
+                                      "kvconform.conformance"), FORBIDDEN_IMPORTS["conformance"])
+    assert not forbidden(imported_modules("from kvconform.adapters.contract import KVConnectorAdapter\n"
+                                          "from kvconform.adapters.registry import resolve\n"
+                                          "from kvconform.reference.engine import Engine", "kvconform.conformance"),
+                         FORBIDDEN_IMPORTS["conformance"])
 
 
 def test_a_neighbour_of_a_forbidden_package_is_allowed() -> None:
