@@ -144,7 +144,8 @@ class SchedulingPolicy(Protocol):
 
     def refuse(self, clause: str, why: str) -> bool:
         """The free blocks do not hold what was chosen: return True to go on with the next waiting request, the
-        choice recorded as refused, or False to stop there (SCHED-ALLOC-1, SCHED-ADMIT-1)."""
+        choice recorded as refused, or False to stop there; running requests stop there either way (SCHED-ALLOC-1,
+        SCHED-ADMIT-1)."""
 
 
 class OwnPolicy:
