@@ -62,8 +62,9 @@ def measure(settings: WorkersSettings, progress: Progress) -> list[Figure]:
         run = _state_machine(settings, workers)
         parts = [part["seconds"] for part in run.report["shards"]]
         rules = sum(part["statistics"]["rules"] for part in run.report["shards"])
-        rates[workers] = (run.report["statistics"]["examples"] / max(parts), rules / max(parts),
-                          f"{run.report['examples']} examples of {rules:,} rule steps, parts of "
+        examples = run.report["statistics"]["examples"]
+        rates[workers] = (examples / max(parts), rules / max(parts),
+                          f"{examples} examples of {rules:,} rule steps, parts of "
                           f"{' / '.join(f'{part:.1f}' for part in parts)} s, {run.seconds:.1f} s with the workers' "
                           f"start, {run.cores}")
     for workers in settings.workers:
