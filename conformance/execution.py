@@ -103,7 +103,7 @@ class RunStatistics(BaseModel):
                                       "adapter calls")
     steps: int = Field(0, description="engine steps judged: at the offloading level, compared with the reference's")
     steps_after_known_failure: int = Field(0, description="of those, the steps judged after a known failure of their "
-                                                          "example, whose deviation the reference followed (CONF-RUN-2)")
+                                                          "example, whose deviation the reference followed")
     adapter_seconds: float = Field(0.0, description="time in the adapter's calls")
     reference_seconds: float = Field(0.0, description="time in the reference engine stepped alongside")
     checks_seconds: float = Field(0.0, description="time in the checks")

@@ -253,7 +253,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         return
     terminalreporter.section("kvconform")
     terminalreporter.write_line(f"spec {run_report.spec_version}, adapter {run_report.adapter}: "
-                                f"{run_report.run_time_coverage.summary()} ({run_report.statistics.steps} steps judged)")
+                                f"{run_report.run_time_coverage.summary()} "
+                                f"({run_report.statistics.steps} steps judged)")
     if run_report.shards:
         terminalreporter.write_line(f"merged from {len(run_report.shards)} parts drawn from seed {run_report.seed}: "
                                     + ", ".join(f"seed {part.seed} {part.outcome} ({part.statistics.examples} examples)"

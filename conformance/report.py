@@ -184,7 +184,8 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
         seconds=max(part.seconds for part in parts), statistics=statistics, **failure,
         clauses=clauses, run_time_coverage=run_time_coverage(clauses, first.levels),
         shards=[ShardResult(index=index, seed=part.seed, statistics=part.statistics, seconds=part.seconds,
-                            outcome=part.outcome, failed_clause=part.failed_clause) for index, part in enumerate(parts)]))
+                            outcome=part.outcome, failed_clause=part.failed_clause)
+                for index, part in enumerate(parts)]))
     run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
     return run_report
 

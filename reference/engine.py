@@ -140,7 +140,7 @@ class SchedulingPolicy(Protocol):
         """Return True if the next waiting request is considered with `budget` tokens left."""
 
     def waiting_tokens(self, request: Request, num_computed: int, load_async: bool, budget: int) -> int | None:
-        """Return the tokens to schedule for a waiting request with `num_computed` tokens hit, None to leave it waiting."""
+        """Return the tokens to schedule for a waiting request `num_computed` tokens hit, None to leave it waiting."""
 
     def refuse(self, clause: str, why: str) -> bool:
         """The free blocks do not hold what was chosen: return True to go on with the next waiting request, the

@@ -73,7 +73,8 @@ def test_failure_found_by_one_run_is_replayed_first_by_the_next(xdist_pytester: 
     rerun, replayed = run_split(xdist_pytester, f"--kv-adapter={MUTANT}", "--kv-profile=ci", "--kv-seed=3",
                                 database)
     rerun.assert_outcomes(failed=2)
-    assert [(part["failed_clause"], part["statistics"]["found_at_example"]) for part in replayed["shards"]] == [("OFF-READ-1", 1)] * 2
+    assert [(part["failed_clause"], part["statistics"]["found_at_example"])
+            for part in replayed["shards"]] == [("OFF-READ-1", 1)] * 2
 
 
 @pytest.mark.long
