@@ -15,6 +15,7 @@ import pytest
 
 from kvconform.common.values import Capabilities
 from kvconform.conformance import examples, report, runner
+from kvconform.conformance.execution import RunStatistics
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.profiles import Shard
 from kvconform.spec import registry
@@ -95,6 +96,18 @@ def test_parts_share_the_examples_and_draw_from_their_own_seeds() -> None:
     assert [part.examples(100) for part in parts] == [34, 33, 33]
     assert len({part.seed(7) for part in parts}) == 3
     assert Shard().seed(None) is None and Shard().examples(100) == 100
+
+
+def test_merge_adds_up_the_parts_statistics() -> None:
+    """A run split across workers counts what its parts counted together; its failure was found where the failing
+    part found it."""
+    first = runner.RunResult("reference", "dev", 1, passed=True, seconds=1.0,
+                             statistics=RunStatistics(examples=3, rules=10, steps=20, checks_seconds=0.5))
+    failing = runner.RunResult("reference", "dev", 2, passed=False, seconds=2.0, failed_clause="OFF-READ-1",
+                               statistics=RunStatistics(examples=2, rules=5, steps=7, found_at_example=2))
+    merged = report.merge([report.build(result, "test", Capabilities()) for result in (first, failing)], seed=0)
+    assert merged.statistics == RunStatistics(examples=5, rules=15, steps=27, checks_seconds=0.5, found_at_example=2)
+    assert [part.statistics for part in merged.shards] == [first.statistics, failing.statistics]
 
 
 def test_merge_judges_known_failures_over_all_parts() -> None:
