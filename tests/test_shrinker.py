@@ -7,7 +7,7 @@ import itertools
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance import runner
-from kvconform.conformance.execution import Call, Session
+from kvconform.conformance.execution import Call, Session, replay
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.shrinker import Failure, Shrinker, size
 
@@ -39,6 +39,22 @@ def test_shrunk_program_fails_the_same_way() -> None:
     assert [call.operation for call in shrunk.program] == ["start", "add_request", "step"], shrunk.program
     assert shrunk.program[0].args[0].async_scheduling is False and shrunk.program[0].args[0].eviction_policy == "lru"
     assert Failure.of(shrinker.replay(shrunk.program).violation) == Failure("OFF-READ-1")
+
+
+def test_the_violation_carries_the_program_that_produced_it() -> None:
+    """The counterexample travels in the violation: the calls its execution ran, up to the one that failed; one that
+    failed before the engine started carries the adapter calls made instead."""
+    program = seed_scenario(noise=1)
+    violation = replay(Session(MUTANTS["skip-flag-ignored"].adapter), program + [Call("drain")]).violation
+    assert violation.program == program and violation.calls[:2] == ["adapter = factory()", "adapter.capabilities()"]
+
+    class Refuses(ReferenceAdapter):
+        def capabilities(self) -> Capabilities:
+            raise RuntimeError("no capabilities")
+
+    violation = replay(Session(Refuses), program).violation
+    assert (violation.clause, violation.program, violation.calls) == (
+        "CONF-CALL-1", [], ["adapter = factory()", "adapter.capabilities()"])
 
 
 def test_shrinking_keeps_to_the_capabilities() -> None:
