@@ -19,11 +19,13 @@ from typing import Any, Literal, Protocol
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.common.values import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation, StoreSnapshot
+from kvconform.common.values import (BlockRef, Capabilities, RequestSpec, StepObservation, StoreSnapshot,
+                                     TransferOutcome)
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Context, check_drained, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
+from kvconform.conformance.operations import Call
 from kvconform.reference.connector import KnownDeviations
 from kvconform.reference.engine import Engine, FollowedSchedule
 from kvconform.reference.errors import InvalidCall
@@ -36,59 +38,8 @@ Scheduling = Literal["sync", "async", "both"]
 """Which scheduling modes a run draws: sync only, async only, or both."""
 
 
-PARAMETERS = {"start": ("config",), "add_request": ("request",), "step": (), "complete_transfers": ("fail_loads", "fail_stores"),
-              "abort": ("request_id",), "preempt": ("request_id",), "reset_prefix_cache": ("reset_connector",),
-              "drain": ()}
-"""The operations of a program and the names of their arguments."""
-
-
 class Diverged(Exception):
     """A known failure happened: the implementation and the reference have diverged, so the example ends (CONF-RUN-2)."""
-
-
-class ProgramError(ValueError):
-    """A program in JSON that is not one: the message says which operation and why."""
-
-
-@dataclass(frozen=True)
-class Call:
-    """One operation of a program, with its positional arguments."""
-
-    operation: str
-    args: tuple[Any, ...] = ()
-
-    def __str__(self) -> str:
-        if self.operation == "drain":
-            return "drain()  # complete transfers and step until the reference is idle, then check for leaks"
-        return f"adapter.{self.operation}({', '.join(map(repr, self.args))})"
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the call as trace vectors write operations: `{"op": ..., "args": {...}}`."""
-        if self.operation in ("start", "add_request"):
-            args = self.args[0].model_dump(mode="json", exclude_defaults=self.operation == "add_request")
-        else:
-            args = dict(zip(PARAMETERS[self.operation], self.args))
-        return {"op": self.operation, "args": args} if args else {"op": self.operation}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Call:
-        """Return the call a `{"op": ..., "args": {...}}` object stands for; raise ProgramError if it stands for none."""
-        operation, args = data.get("op"), data.get("args", {})
-        if operation not in PARAMETERS or not isinstance(args, dict):
-            raise ProgramError(f"{data!r}: 'op' must be one of {', '.join(PARAMETERS)}, 'args' an object")
-        try:
-            if operation == "start":
-                return cls(operation, (EngineConfig(**args),))
-            if operation == "add_request":
-                return cls(operation, (RequestSpec(**args),))
-            return cls(operation, tuple(args[name] for name in PARAMETERS[operation]))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ProgramError(f"{data!r}: {error}") from None
-
-
-def render(program: list[Call]) -> str:
-    """Return a program as the Python calls it makes, one per line."""
-    return "\n".join(map(str, program))
 
 
 @dataclass
@@ -138,6 +89,8 @@ class Execution:
         self.failed = False
         self.deviated = False
         """Whether a known deviation of the adapter was followed earlier in this example."""
+        self.observations: list[StepObservation] = []
+        """The adapter's answers to the steps so far, for a scenario's expectations."""
 
     # --- the engines -------------------------------------------------------------------------
 
@@ -239,12 +192,13 @@ class Execution:
             self.expect("add_request", spec)
         self.call("add_request", spec)
 
-    def _step(self) -> None:
-        actual = self.call("step")
+    def _step(self, complete_transfers: TransferOutcome | None = None) -> None:
+        actual = self.call("step", *([] if complete_transfers is None else [complete_transfers]))
+        self.observations.append(actual)
         self.session.steps += 1
         self.session.steps_after_known_failure += self.deviated
         if self.oracle is not None:  # the deeper level first: its failures name the block and the cause
-            self.compare_step(self.follow(actual), actual)
+            self.compare_step(self.follow(actual, complete_transfers), actual)
         self.judge("adapter.step()", "connector", actual)
         self.connector_judge.follow(actual)
         if self.capabilities.reads_kv:
@@ -316,11 +270,11 @@ class Execution:
         finally:
             self.session.checks_seconds += time.perf_counter() - started
 
-    def follow(self, actual: StepObservation) -> StepObservation:
+    def follow(self, actual: StepObservation, complete_transfers: TransferOutcome | None = None) -> StepObservation:
         """Step the reference as the adapter scheduled, taking the adapter's choices where the run knows it deviates,
         and return what the reference observes; each deviation taken is recorded as its known failure (CONF-RUN-2)."""
         self.ctx.followed = schedule_of(actual, [request.request_id for request in self.oracle.engine.running])
-        expected = self.expect("step_following", self.ctx.followed,
+        expected = self.expect("step_following", self.ctx.followed, complete_transfers,
                                deviations=deviations_of(actual, self.session.baseline.entries, self.ctx.identity))
         for clause, what in self.oracle.engine.adopted:
             violation = ClauseViolation(clause, f"adapter.step(): {what}")

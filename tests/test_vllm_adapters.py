@@ -27,7 +27,7 @@ from kvconform.adapters.vllm import install, lmcache, runtime, transfers
 from kvconform.cli import main
 from kvconform.common import kv_content
 from kvconform.common.values import VARIANTS, BlockRef, EngineConfig, LoadJob, RequestSpec, StoreJob
-from kvconform.conformance import baseline, options, runner, vectors
+from kvconform.conformance import baseline, options, runner, scenarios
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Session, replay
 
@@ -173,8 +173,8 @@ needs_scenario_verdicts = pytest.mark.skipif(VERSION not in SCENARIO_DEVIATIONS,
 def check_scenario_verdict(adapter: Any, name: str, deviation_clause: str | None) -> None:
     """Replay a bundled scenario: met, refused for what the adapter lacks (a skip), or failed with `deviation_clause`."""
     try:
-        vectors.replay(vectors.load(name), adapter)
-    except vectors.Unsupported as refused:
+        scenarios.load(name).run(adapter)
+    except scenarios.Unsupported as refused:
         pytest.skip(str(refused))
     except ClauseViolation as violation:
         assert violation.clause == deviation_clause, violation
@@ -185,7 +185,7 @@ def check_scenario_verdict(adapter: Any, name: str, deviation_clause: str | None
 @pytest.mark.vllm
 @needs_vllm
 @needs_scenario_verdicts
-@pytest.mark.parametrize("name", vectors.bundled())
+@pytest.mark.parametrize("name", scenarios.bundled())
 @pytest.mark.parametrize("adapter_name", ["vllm-offloading", "vllm-simple-cpu"])
 def test_bundled_scenario_on_vllm(adapter_name: str, name: str) -> None:
     """Every bundled scenario on the installed release, as its recorded deviations say."""
@@ -196,7 +196,7 @@ def test_bundled_scenario_on_vllm(adapter_name: str, name: str) -> None:
 @pytest.mark.vllm
 @needs_vllm
 @needs_scenario_verdicts
-@pytest.mark.parametrize("name", vectors.bundled())
+@pytest.mark.parametrize("name", scenarios.bundled())
 @pytest.mark.parametrize("connector, white_box", [("OffloadingConnector", "vllm-offloading"),
                                                   ("SimpleCPUOffloadConnector", "vllm-simple-cpu")])
 def test_bundled_scenario_on_vllm_connector(connector_environment: None, connector: str, white_box: str,
@@ -293,7 +293,7 @@ def test_failed_load_is_reported_however_the_release_names_it() -> None:
     adapter = adapter_class("offloading")()
     if not adapter.capabilities().transfer_failures:
         pytest.skip(f"the OffloadingConnector of vLLM {VERSION} cannot report a failed transfer")
-    vectors.replay(vectors.load("failed-load-recomputed"), adapter)
+    scenarios.load("failed-load-recomputed").run(adapter)
 
 
 def variants(adapter) -> dict[str, bool]:
