@@ -112,6 +112,10 @@ class Call:
     operation: str
     args: tuple[Any, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.operation not in OPERATIONS:
+            raise ProgramError(f"unknown operation {self.operation!r}; the operations are {', '.join(OPERATIONS)}")
+
     def __str__(self) -> str:
         if self.operation == "drain":
             return "drain()  # complete transfers and step until the reference is idle, then check for leaks"

@@ -42,7 +42,7 @@ from kvconform.common.values import (
 )
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.execution import Execution, Session
+from kvconform.conformance.execution import Diverged, Execution, Session
 from kvconform.conformance.operations import OPERATIONS, Call, ProgramError
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.kv_history import RequestHistory
@@ -113,10 +113,11 @@ class ScenarioError(ValueError):
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a scenario showed on an adapter: passed, failed a clause, refused, or unknown (a call hung)."""
+    """What a scenario showed on an adapter: passed, failed a clause (a known failure's or another), refused, or
+    unknown (a call hung)."""
 
     scenario: str
-    outcome: Literal["pass", "fail", "refused", "unknown"]
+    outcome: Literal["pass", "fail", "known failure", "refused", "unknown"]
     clause: str | None = None
     detail: str = ""
     adapter_traceback: str | None = None
@@ -278,8 +279,9 @@ def bundled() -> list[str]:
 
 def check(scenario: Scenario, session: Session) -> None:
     """Run `scenario` through an `Execution` of `session`: raise `Unsupported` if the adapter cannot run it,
-    `ClauseViolation` at its first failure, `AdapterHung` if a call hangs (CONF-CALL-2), `ScenarioError` if the
-    engine's state refuses one of its calls."""
+    `ClauseViolation` at its first failure (`Diverged` from it for a failure of a clause the session's baseline lists,
+    which ends the scenario as it ends an example: CONF-RUN-2), `AdapterHung` if a call hangs (CONF-CALL-2),
+    `ScenarioError` if the engine's state refuses one of its calls."""
     execution = Execution(session, coverage={})
     try:
         execution.begin()
@@ -306,9 +308,10 @@ def _apply(execution: Execution, scenario: Scenario, where: str, call: Call) -> 
     """Apply `call`; a failure names the scenario and the op (`where`), a call the engine refuses is the scenario's."""
     try:
         execution.apply(call)
-    except (ClauseViolation, AdapterHung) as failure:
-        failure.detail = f"scenario {scenario.name}, {where}: {failure.detail}"
-        failure.args = (f"[{failure.clause}] {failure.detail}",)
+    except (ClauseViolation, AdapterHung, Diverged) as failure:
+        named = failure.__cause__ if isinstance(failure, Diverged) else failure
+        named.detail = f"scenario {scenario.name}, {where}: {named.detail}"
+        named.args = (f"[{named.clause}] {named.detail}",)
         raise
     except InvalidCall as error:
         raise ScenarioError(f"scenario {scenario.name}, {where}: the engine refuses {call}: {error}") from None
@@ -320,8 +323,12 @@ def judge(scenario: Scenario, session: Session) -> Verdict:
         check(scenario, session)
     except Unsupported as refused:
         return Verdict(scenario.name, "refused", detail=str(refused))
+    except Diverged as diverged:
+        known = diverged.__cause__
+        return Verdict(scenario.name, "known failure", known.clause, known.detail, known.adapter_traceback)
     except ClauseViolation as violation:
-        return Verdict(scenario.name, "fail", violation.clause, violation.detail, violation.adapter_traceback)
+        outcome = "known failure" if session.baseline.tolerates(violation) else "fail"
+        return Verdict(scenario.name, outcome, violation.clause, violation.detail, violation.adapter_traceback)
     except AdapterHung as hung:
         return Verdict(scenario.name, "unknown", hung.clause, hung.detail)
     return Verdict(scenario.name, "pass")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.conformance import options, scenarios
+from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.execution import Session
 from kvconform.conformance.machine import scheduling_modes
 from kvconform.conformance.plugin import RUN_REPORT, SCENARIOS, keep_part_report, split_run_options
@@ -50,14 +51,15 @@ def test_scenario(kv_run_options: options.RunOptions, scenario: scenarios.Scenar
                     f"this run does not draw (--kv-scheduling {kv_run_options.scheduling} and the adapter's "
                     f"capabilities)")
     try:
-        verdict = scenarios.judge(scenario, Session(kv_run_options.factory, kv_run_options.call_timeout))
+        verdict = scenarios.judge(scenario, Session(kv_run_options.factory, kv_run_options.call_timeout,
+                                                    baseline=Baseline(dict(kv_run_options.known_failures))))
     except scenarios.ScenarioError as error:
         pytest.fail(str(error), pytrace=False)
     if verdict.outcome == "refused":
         pytest.skip(verdict.detail)
     if verdict.outcome == "pass":
         return
-    if verdict.clause in kv_run_options.known_failures:
+    if verdict.outcome == "known failure":
         pytest.xfail(f"known failure {verdict.clause}: {kv_run_options.known_failures[verdict.clause]}")
     traceback = f"\nadapter traceback:\n{verdict.adapter_traceback}" if verdict.adapter_traceback else ""
     pytest.fail(f"[{verdict.clause}] {verdict.detail}{traceback}", pytrace=False)

@@ -194,13 +194,17 @@ def _usage_error(message: str) -> None:
               help="Registered adapter name or module:factory")
 @click.option("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT, show_default=True,
               help="Seconds one adapter call may take before its outcome is reported unknown")
+@click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="File of 'CLAUSE-ID: reason' lines: failing one is reported, not fatal")
 @_connector_options
-def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: float, connector: str | None,
-                   connector_config: str | None, connector_manifest: str | None) -> None:
+def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: float, known_failures_path: Path | None,
+                   connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
     """Run scenarios (JSON files with `ops`, or the names of bundled ones) and counterexamples (the program of a JSON
     report, or a JSON list of operations) on an adapter, built once, each as `kvconform run` runs its examples: one
-    verdict each; the exit status is the worst (1 failed or unknown, 2 refused, 0 all passed)."""
+    verdict each; the exit status is the worst (1 failed or unknown, 2 refused, 0 passed or a known failure)."""
     from kvconform.conformance import scenarios
+    from kvconform.conformance.baseline import Baseline
+    from kvconform.conformance.execution import Session
 
     try:
         replays = [_replayable(source) for source in sources]  # every file checked before the adapter is imported
@@ -208,16 +212,17 @@ def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: fl
         _usage_error(str(error))
     options.select_connector(connector, connector_config, connector_manifest)
     try:
-        run = options.prepare(adapter_spec, call_timeout=call_timeout)
+        run = options.prepare(adapter_spec, call_timeout=call_timeout, known_failures_path=known_failures_path)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
     given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest}
     click.echo(f"kvconform: adapter {adapter_spec} {run.implementation_version}, "
                + "".join(f"{name} {value}, " for name, value in given.items() if value is not None)
                + f"call timeout {call_timeout:g}s", err=True)
+    session = Session(run.factory, run.call_timeout, baseline=Baseline(dict(run.known_failures)))
     stdout = _stdout()
-    statuses = [_replay_scenario(stdout, run, replay) if isinstance(replay, scenarios.Scenario)
-                else _replay_program(stdout, run, *replay) for replay in replays]
+    statuses = [_replay_scenario(stdout, session, adapter_spec, replay) if isinstance(replay, scenarios.Scenario)
+                else _replay_program(stdout, session, adapter_spec, *replay) for replay in replays]
     sys.exit(max(statuses, key=REPLAY_SEVERITY.index))
 
 
@@ -250,45 +255,44 @@ def _replayable(source: str):
         raise ValueError(f"cannot replay {source}: {error}") from None
 
 
-def _replay_program(stdout: Console, run, path: Path, program) -> int:
+def _replay_program(stdout: Console, session, adapter_spec: str, path: Path, program) -> int:
     """Run a counterexample again; print its calls and its verdict; return the exit status it alone would give."""
-    from kvconform.conformance.execution import Session, replay
+    from kvconform.conformance.execution import replay
     from kvconform.conformance.operations import render
 
-    replayed = replay(Session(run.factory, run.call_timeout), program)
+    replayed = replay(session, program)
     stdout.print(render(replayed.program), markup=False, highlight=False, soft_wrap=True)
     if replayed.violation is None:
-        stdout.print(f"[green]passes[/] on {run.adapter_spec}: {path}, {len(replayed.program)} calls, no clause violated")
+        stdout.print(f"[green]passes[/] on {adapter_spec}: {path}, {len(replayed.program)} calls, no clause violated")
         return EXIT_CONFORMANT
     stdout.print(f"[bold red]NOT conformant[/]: {replayed.violation.clause}: {replayed.violation.detail}")
     return EXIT_NONCONFORMANT
 
 
-def _replay_scenario(stdout: Console, run, scenario) -> int:
-    """Run a scenario on a fresh adapter as `run` runs examples (deadline, validated answers, the checks of each level,
-    the scenario's expectations); print its verdict; return the exit status it alone would give."""
+def _replay_scenario(stdout: Console, session, adapter_spec: str, scenario) -> int:
+    """Run a scenario on a fresh adapter as `kvconform run` runs examples (deadline, validated answers, the checks of
+    each level, known failures), with its expectations; print its verdict; return the exit status it alone gives."""
     from kvconform.conformance import scenarios
-    from kvconform.conformance.execution import Session
 
     try:
-        verdict = scenarios.judge(scenario, Session(run.factory, run.call_timeout))
+        verdict = scenarios.judge(scenario, session)
     except scenarios.ScenarioError as error:
         stdout.print(f"[bold red]refused[/]: {error}", markup=True, highlight=False, soft_wrap=True)
         return EXIT_USAGE
     if verdict.outcome == "pass":
         steps = sum(op["op"] == "step" for op in scenario.ops)
-        stdout.print(f"[green]passes[/] on {run.adapter_spec}: scenario {scenario.name}, {steps} steps, every "
+        stdout.print(f"[green]passes[/] on {adapter_spec}: scenario {scenario.name}, {steps} steps, every "
                      "expectation met")
         return EXIT_CONFORMANT
     heading = {"fail": "[bold red]NOT conformant[/]:", "unknown": "[bold red]UNKNOWN outcome[/]:",
-               "refused": "[yellow]refused[/]:"}[verdict.outcome]
+               "refused": "[yellow]refused[/]:", "known failure": "[magenta]known failure[/]:"}[verdict.outcome]
     stdout.print(heading, end=" ")
     stdout.print(f"{verdict.clause}: {verdict.detail}" if verdict.clause else verdict.detail,
                  markup=False, highlight=False, soft_wrap=True)
     if verdict.adapter_traceback:
         stdout.print("adapter traceback:")
         stdout.print(verdict.adapter_traceback, markup=False, highlight=False)
-    return EXIT_USAGE if verdict.outcome == "refused" else EXIT_NONCONFORMANT
+    return {"refused": EXIT_USAGE, "known failure": EXIT_CONFORMANT}.get(verdict.outcome, EXIT_NONCONFORMANT)
 
 
 @main.command("mutants")

@@ -3,10 +3,11 @@ through the state machine's guarded execution (issue 25: one interpreter)."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
-
 from click.testing import CliRunner
+from faulty_adapters import faulty, hanging, negative_tokens, raising
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.cli import main
@@ -16,7 +17,8 @@ from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Session
 from kvconform.conformance.mutants import MUTANTS, black_box
 from kvconform.conformance.scenarios import Scenario
-from faulty_adapters import faulty, hanging, negative_tokens, raising
+
+pytest_plugins = ["pytester"]
 
 CONFIG = EngineConfig(block_size=4, block_size_factor=3, num_gpu_blocks=100, num_offload_blocks=8,
                       async_scheduling=False)
@@ -267,7 +269,8 @@ def test_a_raise_and_a_bad_answer_fail_under_the_clause_of_the_call():
 
 
 def test_one_replay_runs_several_scenarios_one_line_each_worst_status_last(tmp_path):
-    """Files and bundled names in one invocation, the adapter imported once; exit status the worst (issue 22, item 7)."""
+    """Files and bundled names in one invocation, the adapter built by one factory; exit status the worst (issue 22,
+    item 7)."""
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps(skip_read_scenario(
         stored_after_skip=[{"request_id": "skip", "offload_indices": [0], "evicted": []}]).to_json()))
@@ -306,3 +309,49 @@ def test_every_bundled_scenario_passes_or_is_refused_on_an_own_clock_connector(n
     their reason, never failed (issue 22, item 4)."""
     verdict = scenarios.judge(scenarios.load(name), Session(OwnClockConnector))
     assert verdict.outcome in ("pass", "refused"), verdict
+
+
+DOCS = Path(__file__).parent.parent / "docs" / "scenarios.md"
+
+
+def docs_blocks(language: str) -> list[str]:
+    """Return the fenced blocks of `language` in docs/scenarios.md, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", DOCS.read_text(), flags=re.M | re.S)
+
+
+def test_the_docs_connector_level_examples_run_and_are_one_scenario(tmp_path):
+    """docs/scenarios.md teaches a connector-level scenario in Python and JSON (issue 22, item 6): the Python one passes
+    on the reference and on a black box on its own clock, the JSON one is the same scenario and `kvconform replay`
+    passes it, and the failure the page shows is the one printed."""
+    python, = (block for block in docs_blocks("python") if "def my_scenario" in block)
+    namespace: dict = {}
+    exec(compile(python, str(DOCS), "exec"), namespace)
+    scenario = namespace["my_scenario"]()
+    assert scenario.level == "connector"
+    namespace["test_my_scenario"](ReferenceAdapter)
+    scenario.run(OwnClockConnector())
+    written, = (block for block in docs_blocks("json") if '"ops"' in block)
+    assert json.loads(written) == scenario.to_json()
+    path = tmp_path / "my-scenario.json"
+    path.write_text(written)
+    assert CliRunner().invoke(main, ["replay", str(path)]).exit_code == 0
+    data = json.loads(written)
+    data["ops"][4]["expect"]["match_answers"][0].update(external_tokens=12, load_async=True)
+    path.write_text(json.dumps(data))
+    failed = CliRunner().invoke(main, ["replay", str(path)])
+    shown, = (block for block in docs_blocks("text") if "my-scenario" in block)
+    assert failed.exit_code == 1 and shown.strip() in failed.stdout, failed.stdout
+
+
+def test_replay_and_the_plugin_give_one_verdict_per_scenario(pytester):
+    """For one adapter, `kvconform replay` and the pytest plugin pass, fail, refuse (skip) the same bundled scenarios:
+    both run them through `scenarios.judge` (issue 22, item 4)."""
+    adapter = "test_scenarios:OwnClockConnector"
+    replayed = CliRunner().invoke(main, ["replay", *scenarios.bundled(), "--adapter", adapter])
+    refused = {line.split("needs")[0].removeprefix("refused: ").strip()
+               for line in replayed.stdout.splitlines() if line.startswith("refused: ")}
+    passed = {line.split("scenario ")[1].split(",")[0] for line in replayed.stdout.splitlines() if "passes on" in line}
+    assert passed | refused == set(scenarios.bundled()) and passed and refused, replayed.stdout
+    assert replayed.exit_code == 2, replayed.output
+    result = pytester.runpytest(f"--kv-adapter={adapter}", "-k", "test_scenario", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=len(passed), skipped=len(refused), deselected=1)
