@@ -200,8 +200,9 @@ def _usage_error(message: str) -> None:
 def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: float, known_failures_path: Path | None,
                    connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
     """Run scenarios (JSON files with `ops`, or the names of bundled ones) and counterexamples (the program of a JSON
-    report, or a JSON list of operations) on an adapter, built once, each as `kvconform run` runs its examples: one
-    verdict each; the exit status is the worst (1 failed or unknown, 2 refused, 0 passed or a known failure)."""
+    report, or a JSON list of operations) on an adapter, each on a fresh instance from one factory (an engine such as
+    vLLM is imported once) and as `kvconform run` runs its examples: one verdict each; the exit status is the worst
+    (1 failed or unknown, 2 refused, 0 passed or a known failure)."""
     from kvconform.conformance import scenarios
     from kvconform.conformance.baseline import Baseline
     from kvconform.conformance.execution import Session
@@ -277,7 +278,8 @@ def _replay_scenario(stdout: Console, session, adapter_spec: str, scenario) -> i
     try:
         verdict = scenarios.judge(scenario, session)
     except scenarios.ScenarioError as error:
-        stdout.print(f"[bold red]refused[/]: {error}", markup=True, highlight=False, soft_wrap=True)
+        stdout.print("[bold red]invalid scenario[/]:", end=" ")
+        stdout.print(str(error), markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
     if verdict.outcome == "pass":
         steps = sum(op["op"] == "step" for op in scenario.ops)

@@ -355,3 +355,13 @@ def test_replay_and_the_plugin_give_one_verdict_per_scenario(pytester):
     assert replayed.exit_code == 2, replayed.output
     result = pytester.runpytest(f"--kv-adapter={adapter}", "-k", "test_scenario", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=len(passed), skipped=len(refused), deselected=1)
+
+
+def test_a_call_the_engine_refuses_is_the_scenarios_mistake(tmp_path):
+    """Aborting a request that already finished is an invalid call (LIFE-ABORT-1): the scenario is wrong, not the
+    adapter; replay says so in one line and exits 2."""
+    path = tmp_path / "late-abort.json"
+    path.write_text(json.dumps(Scenario(CONFIG).add("r", BLOCK).drain().abort("r").to_json()))
+    result = CliRunner().invoke(main, ["replay", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "invalid scenario: scenario late-abort, op 2 (abort): the engine refuses adapter.abort('r')" in result.stdout
