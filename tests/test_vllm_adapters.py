@@ -28,7 +28,6 @@ from kvconform.cli import main
 from kvconform.common import kv_content
 from kvconform.common.values import VARIANTS, BlockRef, EngineConfig, LoadJob, RequestSpec, StoreJob
 from kvconform.conformance import baseline, options, runner, scenarios
-from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Session, replay
 
 VERSION = runtime.installed_version()
