@@ -1,1 +1,1 @@
-"""The conformance kit: state machine, checks, vectors, pytest plugin and runner."""
+"""The conformance kit: state machine, checks, scenarios, pytest plugin and runner."""

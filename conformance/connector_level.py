@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvconform.common.values import EngineConfig, MatchAnswer, RequestSpec, ResourceUsage, StepObservation
+from kvconform.common.values import (
+    EngineConfig,
+    MatchAnswer,
+    RequestSpec,
+    ResourceUsage,
+    StepObservation,
+    TransferOutcome,
+)
 from kvconform.conformance.checks import ClauseViolation, check
 from kvconform.reference.kv_history import KVHistory
 
@@ -80,8 +87,9 @@ class ConnectorJudge:
 
     # --- the adapter's answers -------------------------------------------------------------------------------
 
-    def step_observed(self, observation: StepObservation) -> None:
-        """Judge a step's answers and reports, then follow it."""
+    def step_observed(self, observation: StepObservation, completed_in_step: TransferOutcome | None) -> None:
+        """Judge a step's answers and reports, then follow it; when its transfers completed is the adapter's own
+        business at this level."""
         self.execution.judge("adapter.step()", "connector", self, observation)
         self.follow(observation)
 

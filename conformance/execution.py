@@ -21,12 +21,21 @@ import torch
 from pydantic import BaseModel, Field
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
-from kvconform.common.values import Capabilities, EngineConfig, RequestSpec, ResourceUsage, SpecLevel, StepObservation
+from kvconform.common.values import (
+    Capabilities,
+    EngineConfig,
+    RequestSpec,
+    ResourceUsage,
+    SpecLevel,
+    StepObservation,
+    TransferOutcome,
+)
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Kind, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
 from kvconform.conformance.offloading_level import OffloadingJudge
+from kvconform.conformance.operations import Call
 from kvconform.reference.engine import Engine
 from kvconform.reference.errors import InvalidCall
 
@@ -37,59 +46,8 @@ Scheduling = Literal["sync", "async", "both"]
 """Which scheduling modes a run draws: sync only, async only, or both."""
 
 
-PARAMETERS = {"start": ("config",), "add_request": ("request",), "step": (), "complete_transfers": ("fail_loads", "fail_stores"),
-              "abort": ("request_id",), "preempt": ("request_id",), "reset_prefix_cache": ("reset_connector",),
-              "drain": ()}
-"""The operations of a program and the names of their arguments."""
-
-
 class Diverged(Exception):
     """A known failure happened: the implementation and the reference have diverged, so the example ends (CONF-RUN-2)."""
-
-
-class ProgramError(ValueError):
-    """A program in JSON that is not one: the message says which operation and why."""
-
-
-@dataclass(frozen=True)
-class Call:
-    """One operation of a program, with its positional arguments."""
-
-    operation: str
-    args: tuple[Any, ...] = ()
-
-    def __str__(self) -> str:
-        if self.operation == "drain":
-            return "drain()  # complete transfers and step until the reference is idle, then check for leaks"
-        return f"adapter.{self.operation}({', '.join(map(repr, self.args))})"
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the call as trace vectors write operations: `{"op": ..., "args": {...}}`."""
-        if self.operation in ("start", "add_request"):
-            args = self.args[0].model_dump(mode="json", exclude_defaults=self.operation == "add_request")
-        else:
-            args = dict(zip(PARAMETERS[self.operation], self.args))
-        return {"op": self.operation, "args": args} if args else {"op": self.operation}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Call:
-        """Return the call a `{"op": ..., "args": {...}}` object stands for; raise ProgramError if it stands for none."""
-        operation, args = data.get("op"), data.get("args", {})
-        if operation not in PARAMETERS or not isinstance(args, dict):
-            raise ProgramError(f"{data!r}: 'op' must be one of {', '.join(PARAMETERS)}, 'args' an object")
-        try:
-            if operation == "start":
-                return cls(operation, (EngineConfig(**args),))
-            if operation == "add_request":
-                return cls(operation, (RequestSpec(**args),))
-            return cls(operation, tuple(args[name] for name in PARAMETERS[operation]))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ProgramError(f"{data!r}: {error}") from None
-
-
-def render(program: list[Call]) -> str:
-    """Return a program as the Python calls it makes, one per line."""
-    return "\n".join(map(str, program))
 
 
 class RunStatistics(BaseModel):
@@ -160,7 +118,7 @@ class Judge(EngineState, Protocol):
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def preempt(self, request_id: str) -> None: ...
-    def step_observed(self, observation: StepObservation) -> None: ...
+    def step_observed(self, observation: StepObservation, completed_in_step: TransferOutcome | None) -> None: ...
     def resident_kv(self, request_id: str, kv: torch.Tensor) -> None: ...
     def reset_answered(self, reset_connector: bool, answer: bool) -> None: ...
     def drained(self, usage: ResourceUsage, steps: int) -> None: ...
@@ -195,6 +153,8 @@ class Execution:
         self.failed = False
         self.deviated = False
         """Whether a known deviation of the adapter was followed earlier in this example."""
+        self.observations: list[StepObservation] = []
+        """The adapter's answers to the steps so far, for a scenario's expectations."""
 
     # --- the adapter ---------------------------------------------------------------------------
 
@@ -289,13 +249,14 @@ class Execution:
             judge.add_request(spec)
         self.call("add_request", spec)
 
-    def _step(self) -> None:
-        actual = self.call("step")
+    def _step(self, complete_transfers: TransferOutcome | None = None) -> None:
+        actual = self.call("step", *([] if complete_transfers is None else [complete_transfers]))
+        self.observations.append(actual)
         statistics = self.session.statistics
         statistics.steps += 1
         statistics.steps_after_known_failure += self.deviated
         for judge in self.judges:
-            judge.step_observed(actual)
+            judge.step_observed(actual, complete_transfers)
         if self.capabilities.reads_kv:
             self.judge_resident_kv()
 

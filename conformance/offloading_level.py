@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvconform.common.values import BlockRef, EngineConfig, RequestSpec, ResourceUsage, StepObservation, StoreSnapshot
+from kvconform.common.values import (
+    BlockRef,
+    EngineConfig,
+    RequestSpec,
+    ResourceUsage,
+    StepObservation,
+    StoreSnapshot,
+    TransferOutcome,
+)
 from kvconform.conformance.checks import ClauseViolation, Context, check_drained
 from kvconform.reference.connector import KnownDeviations
 from kvconform.reference.engine import FollowedSchedule
@@ -66,10 +74,11 @@ class OffloadingJudge:
 
     # --- the adapter's answers ----------------------------------------------------------------------
 
-    def step_observed(self, actual: StepObservation) -> None:
-        """Judge a step: the adapter's observation and store against the reference's, following its schedule."""
+    def step_observed(self, actual: StepObservation, completed_in_step: TransferOutcome | None) -> None:
+        """Judge a step: the adapter's observation and store against the reference's, following its schedule; the
+        transfers the step was asked to complete complete in the reference's step too (CONN-STEP-4)."""
         execution, ctx = self.execution, self.ctx
-        expected = self.follow(actual)
+        expected = self.follow(actual, completed_in_step)
         execution.judge("adapter.step()", "step", ctx, expected, actual)
         with self.referencing():
             store = self.observer.store_contents()
@@ -80,14 +89,16 @@ class OffloadingJudge:
         ctx.previous_store = store
         ctx.previous_pinned = frozenset(self.engine.manager.pinned_keys())
 
-    def follow(self, actual: StepObservation) -> StepObservation:
+    def follow(self, actual: StepObservation, completed_in_step: TransferOutcome | None) -> StepObservation:
         """Step the reference as the adapter scheduled, taking the adapter's choices where the run knows it deviates,
         and return what the reference observes; each deviation taken is recorded as its known failure (CONF-RUN-2)."""
         ctx, baseline = self.ctx, self.execution.session.baseline
         ctx.followed = schedule_of(actual, [request.request_id for request in self.engine.running])
         deviations = deviations_of(actual, baseline.entries, ctx.identity)
         with self.referencing():
-            result = self.engine.step(None, ctx.followed, deviations)
+            outcome = None if completed_in_step is None else (completed_in_step.fail_loads,
+                                                              completed_in_step.fail_stores)
+            result = self.engine.step(outcome, ctx.followed, deviations)
             expected = self.observer.step(result)
         ctx.facts = result.facts
         for clause, what in result.trace.adopted:

@@ -25,7 +25,7 @@ from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES
 if TYPE_CHECKING:
     from kvconform.conformance.options import RunOptions
     from kvconform.conformance.report import RunReport
-    from kvconform.conformance.vectors import Vector
+    from kvconform.conformance.scenarios import Scenario
 
 OPTION_ADAPTER = "--kv-adapter"
 OPTION_PROFILE = "--kv-profile"
@@ -45,7 +45,7 @@ ENV_ADAPTER = "KVCONFORM_ADAPTER"
 SUITE = Path(__file__).with_name("suite.py")
 
 RUN_OPTIONS = pytest.StashKey["RunOptions"]()
-SCENARIOS = pytest.StashKey["list[Vector]"]()
+SCENARIOS = pytest.StashKey["list[Scenario]"]()
 RUN_REPORT = pytest.StashKey["RunReport"]()
 SHARD_REPORTS = pytest.StashKey[dict[int, str]]()
 """On the xdist controller: the JSON report of each part of the run, by shard index, as the workers sent them."""
@@ -219,16 +219,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def scenarios(paths: list[Path]) -> list[Vector]:
+def scenarios(paths: list[Path]) -> list[Scenario]:
     """Return the bundled scenarios and those in `paths` (files, or folders of `*.json` files); raise ValueError,
     one line naming the file, on a missing or malformed one."""
-    from kvconform.conformance import vectors
+    from kvconform.conformance.scenarios import bundled, load, load_file
 
     files = [file for path in paths for file in (sorted(path.glob("*.json")) if path.is_dir() else [path])]
-    loaded = [vectors.load(name) for name in vectors.bundled()]
+    loaded = [load(name) for name in bundled()]
     for file in files:
         try:
-            loaded.append(vectors.load_file(file))
+            loaded.append(load_file(file))
         except (OSError, ValueError) as problem:
             raise ValueError(f"{file}: {problem}") from None
     return loaded

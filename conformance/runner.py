@@ -18,8 +18,9 @@ from kvconform.common.values import SpecLevel
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.execution import RunStatistics, Scheduling, Session, render
+from kvconform.conformance.execution import RunStatistics, Scheduling, Session
 from kvconform.conformance.machine import machine_for
+from kvconform.conformance.operations import render
 from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone
 from kvconform.conformance.shrinker import Replay, Shrinker
 

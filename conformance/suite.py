@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.conformance import options, vectors
-from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance import options, scenarios
+from kvconform.conformance.baseline import Baseline
+from kvconform.conformance.execution import Session
 from kvconform.conformance.machine import scheduling_modes
 from kvconform.conformance.plugin import RUN_REPORT, SCENARIOS, keep_part_report, split_run_options
 from kvconform.conformance.profiles import Shard
@@ -15,7 +16,7 @@ from kvconform.conformance.profiles import Shard
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "scenario" in metafunc.fixturenames:
         chosen = metafunc.config.stash.get(SCENARIOS, [])
-        metafunc.parametrize("scenario", chosen, ids=[vector.name for vector in chosen])
+        metafunc.parametrize("scenario", chosen, ids=[each.name for each in chosen])
 
 
 def test_state_machine(kv_run_options: options.RunOptions, kv_shard: Shard, pytestconfig: pytest.Config) -> None:
@@ -41,21 +42,24 @@ def test_state_machine(kv_run_options: options.RunOptions, kv_shard: Shard, pyte
         pytest.fail("not certified:\n" + "\n".join(gaps), pytrace=False)
 
 
-def test_scenario(kv_run_options: options.RunOptions, scenario: vectors.Vector) -> None:
-    """The adapter meets a scenario's expectations; a known failure's clause is an xfail, and a scenario needing what
-    the adapter lacks, or a scheduling mode the run does not draw, is skipped with the reason."""
+def test_scenario(kv_run_options: options.RunOptions, scenario: scenarios.Scenario) -> None:
+    """The adapter meets a scenario, run as `kvconform replay` runs it (`scenarios.judge`); a known failure's clause is
+    an xfail, and a scenario needing what the adapter lacks, or a scheduling mode the run does not draw, is skipped
+    with the reason."""
     if scenario.config.async_scheduling not in scheduling_modes(kv_run_options.capabilities, kv_run_options.scheduling):
         pytest.skip(f"{scenario.name} uses {'async' if scenario.config.async_scheduling else 'sync'} scheduling, which "
                     f"this run does not draw (--kv-scheduling {kv_run_options.scheduling} and the adapter's "
                     f"capabilities)")
     try:
-        vectors.replay(scenario, kv_run_options.factory())
-    except vectors.Unsupported as refused:
-        pytest.skip(str(refused))
-    except ClauseViolation as violation:
-        failure = violation
-    else:
+        verdict = scenarios.judge(scenario, Session(kv_run_options.factory, kv_run_options.call_timeout,
+                                                    baseline=Baseline(dict(kv_run_options.known_failures))))
+    except scenarios.ScenarioError as error:
+        pytest.fail(str(error), pytrace=False)
+    if verdict.outcome == "refused":
+        pytest.skip(verdict.detail)
+    if verdict.outcome == "pass":
         return
-    if failure.clause in kv_run_options.known_failures:
-        pytest.xfail(f"known failure {failure.clause}: {kv_run_options.known_failures[failure.clause]}")
-    pytest.fail(str(failure), pytrace=False)
+    if verdict.outcome == "known failure":
+        pytest.xfail(f"known failure {verdict.clause}: {kv_run_options.known_failures[verdict.clause]}")
+    traceback = f"\nadapter traceback:\n{verdict.adapter_traceback}" if verdict.adapter_traceback else ""
+    pytest.fail(f"[{verdict.clause}] {verdict.detail}{traceback}", pytrace=False)

@@ -27,6 +27,23 @@ def main() -> None:
     """Executable specification and conformance kit for vLLM-style KV offload connectors."""
 
 
+CONNECTOR_OPTIONS = (
+    click.option("--connector", default=None,
+                 help="For --adapter vllm-connector: the KV connector, a name vLLM knows or module:Class"),
+    click.option("--connector-config", default=None,
+                 help="For --adapter vllm-connector: kv_connector_extra_config, JSON"),
+    click.option("--connector-manifest", default=None,
+                 help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields"),
+)
+
+
+def _connector_options(command):
+    """Add the options that name the connector `vllm-connector` runs (`options.select_connector`)."""
+    for option in reversed(CONNECTOR_OPTIONS):
+        command = option(command)
+    return command
+
+
 @main.command("run")
 @click.option("--adapter", "adapter_spec", default="reference", show_default=True,
               help="Registered adapter name or module:factory")
@@ -43,11 +60,7 @@ def main() -> None:
 @click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
 @click.option("--scheduling", type=click.Choice(options.SCHEDULINGS), default="both", show_default=True,
               help="Scheduling modes to draw engine configurations from")
-@click.option("--connector", default=None,
-              help="For --adapter vllm-connector: the KV connector, a name vLLM knows or module:Class")
-@click.option("--connector-config", default=None, help="For --adapter vllm-connector: kv_connector_extra_config, JSON")
-@click.option("--connector-manifest", default=None,
-              help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields")
+@_connector_options
 @click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
 @click.option("--database", default=DEFAULT_DATABASE, show_default=True,
               help="Example database: a directory, a Redis URL (redis://host:port), or none")
@@ -176,63 +189,112 @@ def _usage_error(message: str) -> None:
 
 
 @main.command("replay")
-@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("sources", nargs=-1, required=True, metavar="FILE|SCENARIO...")
 @click.option("--adapter", "adapter_spec", default="reference", show_default=True,
               help="Registered adapter name or module:factory")
 @click.option("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT, show_default=True,
               help="Seconds one adapter call may take before its outcome is reported unknown")
-def replay_command(path: Path, adapter_spec: str, call_timeout: float) -> None:
-    """Run a counterexample again (the program of a JSON report, or a JSON list of operations), or a scenario
-    (a JSON object with `ops`), checking its expectations, on an adapter."""
-    from kvconform.conformance.execution import Call, ProgramError, Session, render, replay
+@click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="File of 'CLAUSE-ID: reason' lines: failing one is reported, not fatal")
+@_connector_options
+def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: float, known_failures_path: Path | None,
+                   connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
+    """Run scenarios (JSON files with `ops`, or the names of bundled ones) and counterexamples (the program of a JSON
+    report, or a JSON list of operations) on an adapter, each on a fresh instance from one factory (an engine such as
+    vLLM is imported once) and as `kvconform run` runs its examples: one verdict each; the exit status is the worst
+    (1 failed or unknown, 2 refused, 0 passed or a known failure)."""
+    from kvconform.conformance import scenarios
+    from kvconform.conformance.baseline import Baseline
+    from kvconform.conformance.execution import Session
 
+    try:
+        replays = [_replayable(source) for source in sources]  # every file checked before the adapter is imported
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
+        _usage_error(str(error))
+    options.select_connector(connector, connector_config, connector_manifest)
+    try:
+        run = options.prepare(adapter_spec, call_timeout=call_timeout, known_failures_path=known_failures_path)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest}
+    click.echo(f"kvconform: adapter {adapter_spec} {run.implementation_version}, "
+               + "".join(f"{name} {value}, " for name, value in given.items() if value is not None)
+               + f"call timeout {call_timeout:g}s", err=True)
+    session = Session(run.factory, run.call_timeout, baseline=Baseline(dict(run.known_failures)))
+    stdout = _stdout()
+    statuses = [_replay_scenario(stdout, session, adapter_spec, replay) if isinstance(replay, scenarios.Scenario)
+                else _replay_program(stdout, session, adapter_spec, *replay) for replay in replays]
+    sys.exit(max(statuses, key=REPLAY_SEVERITY.index))
+
+
+REPLAY_SEVERITY = (EXIT_CONFORMANT, EXIT_USAGE, EXIT_NONCONFORMANT)
+"""Replay verdicts from best to worst: passed, refused (the adapter cannot run it), failed or unknown."""
+
+
+def _replayable(source: str):
+    """Return the scenario (a file with `ops`, or a bundled name) or the (path, program) `source` names; raise
+    ValueError, one line naming it, if it names neither."""
+    from kvconform.conformance import scenarios
+    from kvconform.conformance.operations import Call, ProgramError
+
+    path = Path(source)
+    if not path.exists() and source in scenarios.bundled():
+        return scenarios.load(source)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(data, dict) and "ops" in data:
-            _replay_scenario(path, data, adapter_spec, call_timeout)
+            return scenarios.Scenario.from_json(path.stem, data)
         operations = data.get("program") if isinstance(data, dict) else data
         if not isinstance(operations, list):
-            raise ProgramError("expected a report with a 'program' or a list of operations")
-        program = [Call.from_json(operation) for operation in operations]
-        run = options.prepare(adapter_spec, call_timeout=call_timeout)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ProgramError) as error:
-        _usage_error(f"cannot replay {path}: {error}")
-    except options.UsageProblem as problem:
-        _usage_error(str(problem))
-    replayed = replay(Session(run.factory, call_timeout), program)
-    stdout = _stdout()
+            raise ProgramError("expected a scenario (an object with 'ops'), a report with a 'program' or a list of "
+                               "operations")
+        return path, [Call.from_json(operation) for operation in operations]
+    except FileNotFoundError:
+        raise ValueError(f"cannot replay {source}: no such file, nor a bundled scenario "
+                         f"({', '.join(scenarios.bundled())})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
+        raise ValueError(f"cannot replay {source}: {error}") from None
+
+
+def _replay_program(stdout: Console, session, adapter_spec: str, path: Path, program) -> int:
+    """Run a counterexample again; print its calls and its verdict; return the exit status it alone would give."""
+    from kvconform.conformance.execution import replay
+    from kvconform.conformance.operations import render
+
+    replayed = replay(session, program)
     stdout.print(render(replayed.program), markup=False, highlight=False, soft_wrap=True)
     if replayed.violation is None:
-        stdout.print(f"[green]passes[/] on {adapter_spec}: {len(replayed.program)} calls, no clause violated")
-        sys.exit(EXIT_CONFORMANT)
+        stdout.print(f"[green]passes[/] on {adapter_spec}: {path}, {len(replayed.program)} calls, no clause violated")
+        return EXIT_CONFORMANT
     stdout.print(f"[bold red]NOT conformant[/]: {replayed.violation.clause}: {replayed.violation.detail}")
-    sys.exit(EXIT_NONCONFORMANT)
+    return EXIT_NONCONFORMANT
 
 
-def _replay_scenario(path: Path, data: dict, adapter_spec: str, call_timeout: float) -> None:
-    """Run a scenario file on the adapter; print the per-step diff of its first unmet expectation (issue 14)."""
-    from kvconform.conformance import vectors
-    from kvconform.conformance.checks import ClauseViolation
+def _replay_scenario(stdout: Console, session, adapter_spec: str, scenario) -> int:
+    """Run a scenario on a fresh adapter as `kvconform run` runs examples (deadline, validated answers, the checks of
+    each level, known failures), with its expectations; print its verdict; return the exit status it alone gives."""
+    from kvconform.conformance import scenarios
 
     try:
-        vector = vectors.from_json(path.stem, data)
-        run = options.prepare(adapter_spec, call_timeout=call_timeout)
-    except (KeyError, TypeError, ValueError) as error:
-        _usage_error(f"cannot replay scenario {path}: {error}")
-    except options.UsageProblem as problem:
-        _usage_error(str(problem))
-    stdout = _stdout()
-    try:
-        vectors.replay(vector, run.factory())
-    except vectors.Unsupported as error:
-        _usage_error(str(error))
-    except ClauseViolation as violation:
-        stdout.print("[bold red]NOT conformant[/]:", end=" ")
-        stdout.print(f"{violation.clause}: {violation.detail}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(EXIT_NONCONFORMANT)
-    steps = sum(op["op"] == "step" for op in vector.ops)
-    stdout.print(f"[green]passes[/] on {adapter_spec}: scenario {vector.name}, {steps} steps, every expectation met")
-    sys.exit(EXIT_CONFORMANT)
+        verdict = scenarios.judge(scenario, session)
+    except scenarios.ScenarioError as error:
+        stdout.print("[bold red]invalid scenario[/]:", end=" ")
+        stdout.print(str(error), markup=False, highlight=False, soft_wrap=True)
+        return EXIT_USAGE
+    if verdict.outcome == "pass":
+        steps = sum(op["op"] == "step" for op in scenario.ops)
+        stdout.print(f"[green]passes[/] on {adapter_spec}: scenario {scenario.name}, {steps} steps, every "
+                     "expectation met")
+        return EXIT_CONFORMANT
+    heading = {"fail": "[bold red]NOT conformant[/]:", "unknown": "[bold red]UNKNOWN outcome[/]:",
+               "refused": "[yellow]refused[/]:", "known failure": "[magenta]known failure[/]:"}[verdict.outcome]
+    stdout.print(heading, end=" ")
+    stdout.print(f"{verdict.clause}: {verdict.detail}" if verdict.clause else verdict.detail,
+                 markup=False, highlight=False, soft_wrap=True)
+    if verdict.adapter_traceback:
+        stdout.print("adapter traceback:")
+        stdout.print(verdict.adapter_traceback, markup=False, highlight=False)
+    return {"refused": EXIT_USAGE, "known failure": EXIT_CONFORMANT}.get(verdict.outcome, EXIT_NONCONFORMANT)
 
 
 @main.command("mutants")

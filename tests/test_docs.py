@@ -93,7 +93,7 @@ def test_report_schema_is_published(site: Path) -> None:
 
 def test_scenario_schema_is_published(site: Path) -> None:
     """The scenarios page shows the scenario file schema and the site serves it as scenario.schema.json."""
-    from kvconform.conformance.vectors import ScenarioFile
+    from kvconform.conformance.scenarios import ScenarioFile
 
     published = json.loads((site / "scenario.schema.json").read_text())
     assert {k: v for k, v in published.items() if k != "$schema"} == ScenarioFile.model_json_schema()

@@ -10,7 +10,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from kvconform.conformance import vectors as bundled_vectors
+from kvconform.conformance import scenarios
 from kvconform.spec import registry
 
 pytest_plugins = ["pytester"]
@@ -32,7 +32,7 @@ def test_reference_passes_and_writes_both_reports(pytester: pytest.Pytester, tmp
     report, junit = tmp_path / "run.json", tmp_path / "run.xml"
     result = pytester.runpytest("--kv-adapter=reference", f"--kv-report={report}", f"--kv-junit={junit}",
                                 "--kv-certify")
-    result.assert_outcomes(passed=1 + len(vectors()))
+    result.assert_outcomes(passed=1 + len(bundled()))
     result.stdout.fnmatch_lines(["kvconform: adapter reference *, profile ci, the profile's own seed, scheduling both",
                                  f"spec {registry.spec_version()}, adapter reference: */* MUST clauses judged at run "
                                  "time (*): * passed, 0 failed, 0 known failures, 0 not exercised; * model-only *"])
@@ -49,8 +49,8 @@ def test_seed_mutant_fails_naming_its_clause(pytester: pytest.Pytester, tmp_path
     report = tmp_path / "run.json"
     result = pytester.runpytest(f"--kv-adapter={MUTANT}", "--kv-scheduling=sync", f"--kv-report={report}",
                                 "-k", "test_state_machine or seed")
-    result.assert_outcomes(failed=1 + len(vectors("sync", "seed")), skipped=len(vectors("async", "seed")),
-                           deselected=len(vectors()) - len(vectors("both", "seed")))
+    result.assert_outcomes(failed=1 + len(bundled("sync", "seed")), skipped=len(bundled("async", "seed")),
+                           deselected=len(bundled()) - len(bundled("both", "seed")))
     result.stdout.fnmatch_lines(["[[]OFF-READ-1[]] adapter.step(): request * skips reading cached KV*",
                                  "counterexample:", "adapter.start(EngineConfig(*"])
     written = json.loads(report.read_text())
@@ -63,7 +63,7 @@ def test_known_failure_is_an_xfail(pytester: pytest.Pytester, tmp_path: Path) ->
     known.write_text("OFF-READ-1: the seed bug  # vLLM PR #44592\n")
     result = pytester.runpytest(f"--kv-adapter={MUTANT}", f"--kv-known-failures={known}", "-k",
                                 "test_scenario and seed", "-rx")
-    result.assert_outcomes(xfailed=len(vectors("both", "seed")), deselected=1 + len(vectors()) - len(vectors("both", "seed")))
+    result.assert_outcomes(xfailed=len(bundled("both", "seed")), deselected=1 + len(bundled()) - len(bundled("both", "seed")))
     result.stdout.fnmatch_lines(["XFAIL *seed-skip-read-sync* - known failure OFF-READ-1: the seed bug"])
 
 
@@ -87,7 +87,7 @@ def test_bad_option_is_a_usage_error(pytester: pytest.Pytester, options: list[st
 def test_a_users_scenario_files_run_with_the_bundled_ones(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """--kv-scenarios adds a user's files (or a folder of them): met, or failed with the diff of the step."""
     from kvconform.common.values import EngineConfig
-    from kvconform.conformance.vectors import Scenario
+    from kvconform.conformance.scenarios import Scenario
 
     config = EngineConfig(block_size=4, block_size_factor=1, num_gpu_blocks=16, num_offload_blocks=8,
                           async_scheduling=False)
@@ -95,9 +95,9 @@ def test_a_users_scenario_files_run_with_the_bundled_ones(pytester: pytest.Pytes
     folder.mkdir()
     for name, tokens in (("mine-met", 8), ("mine-wrong", 7)):
         scenario = Scenario(config).add("r", [1] * 8).step(scheduled_tokens={"r": tokens})
-        (folder / f"{name}.json").write_text(json.dumps(scenario.vector(name).to_json()))
+        (folder / f"{name}.json").write_text(json.dumps(scenario.to_json()))
     result = pytester.runpytest("--kv-adapter=reference", f"--kv-scenarios={folder}", "-k", "mine", "-rf")
-    result.assert_outcomes(passed=1, failed=1, deselected=1 + len(vectors()))
+    result.assert_outcomes(passed=1, failed=1, deselected=1 + len(bundled()))
     result.stdout.fnmatch_lines(["*[[]SCENARIO[]] scenario mine-wrong, op 1 (step): expected vs observed*",
                                  "*- expected {'r': 7}*", "*+ observed {'r': 8}*"])
 
@@ -110,8 +110,8 @@ def test_a_malformed_scenario_file_is_a_usage_error(pytester: pytest.Pytester, t
     result.stderr.fnmatch_lines([f"ERROR: kvconform: --kv-scenarios: {broken}: *"])
 
 
-def vectors(scheduling: str = "both", prefix: str = "") -> list[str]:
+def bundled(scheduling: str = "both", prefix: str = "") -> list[str]:
     """Return the names of the bundled scenarios that use `scheduling` (sync, async or both) and start with `prefix`."""
     wanted = {"sync": {False}, "async": {True}, "both": {False, True}}[scheduling]
-    return [name for name in bundled_vectors.bundled()
-            if name.startswith(prefix) and bundled_vectors.load(name).config.async_scheduling in wanted]
+    return [name for name in scenarios.bundled()
+            if name.startswith(prefix) and scenarios.load(name).config.async_scheduling in wanted]

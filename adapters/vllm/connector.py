@@ -85,10 +85,16 @@ class VllmConnectorAdapter(VllmAdapter):
         shared = {key: value for key, value in self.base_capabilities().items() if key in ("preemption", "abort")}
         try:
             return Capabilities(**{**DEFAULT_MANIFEST, **self.seam.capabilities(), **shared, **self.manifest,
-                                   "levels": ("connector",)})
+                                   "levels": ("connector",), "harness_completes_transfers": self.holds_transfers})
         except ValidationError as error:
             raise AdapterNotFound(f"{CONNECTOR_MANIFEST}: {error.errors()[0]['loc']}: "
                                   f"{error.errors()[0]['msg']}") from None
+
+    @property
+    def holds_transfers(self) -> bool:
+        """Whether a seam of the kit holds the connector's transfers until the harness completes them; a black box's
+        complete on its own clock."""
+        return self.module_path is None and self.connector_name in SEAMS
 
     def extra_config(self, config: EngineConfig) -> dict[str, Any]:
         """The user's extra config over the seam's; ExampleConnector's store directory, if not given, is fresh for each

@@ -38,7 +38,7 @@ from pydantic import BaseModel
 from kvconform.adapters.registry import resolve
 from kvconform.cli import main as cli_main
 from kvconform.common.values import Capabilities
-from kvconform.conformance import plugin, report, vectors
+from kvconform.conformance import plugin, report, scenarios
 from kvconform.conformance.checks import CHECKS, run_time_clauses
 from kvconform.spec import registry
 
@@ -356,7 +356,7 @@ def report_schema() -> str:
 
 
 def scenario_schema() -> str:
-    return json_schema(vectors.ScenarioFile)
+    return json_schema(scenarios.ScenarioFile)
 
 
 def json_schema(model: type[BaseModel]) -> str:
@@ -440,9 +440,9 @@ def directive_scenario_schema(args: list[str], page: str) -> str:
 def directive_scenario_library(args: list[str], page: str) -> str:
     """Return the bundled scenarios: name, level, the clause each illustrates and what it shows."""
     rows = ["| scenario | level | clause | what it shows |", "| --- | --- | --- | --- |"]
-    for name in vectors.bundled():
-        vector = vectors.load(name)
-        rows.append(f"| `{name}` | {vector.level} | {vector.clause} | {vector.description} |")
+    for name in scenarios.bundled():
+        scenario = scenarios.load(name)
+        rows.append(f"| `{name}` | {scenario.level} | {scenario.clause} | {scenario.description} |")
     return "\n".join(rows) + "\n"
 
 
