@@ -78,7 +78,7 @@ def parse_chapter(name: str, text: str) -> list[Clause]:
         heading = HEADING.match(line)
         if not heading:
             if CLAUSE_HEADING.match(line):
-                raise SpecFormatError(f"{name}:{number + 1}: clause heading is not '## ID — TITLE (REQUIREMENT)': {line}")
+                raise SpecFormatError(f"{name}:{number + 1}: not '## ID — TITLE (REQUIREMENT)': {line}")
             continue
         paragraphs = _paragraphs(_until_next_heading(lines[number + 1 :]))
         trace = TRACE.match(paragraphs[0]) if paragraphs else None

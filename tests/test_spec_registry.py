@@ -89,7 +89,8 @@ def test_clause_is_judged_at_run_time_or_model_only(clause_id):
 def test_model_only_line_is_parsed_apart_from_the_text():
     """The line after the trace line, `Model-only: REASON`, is the reason, not part of the normative text."""
     chapter = ("## X-ONE-1 — One (MUST)\n\nRealised by `a.b` · checked by `c`\n\nModel-only: nothing shows it.\n\n"
-               "It **MUST** hold.\n\n## X-ONE-2 — Two (MAY)\n\nRealised by `a.b` · checked by `c`\n\nIt **MAY** hold.\n")
+               "It **MUST** hold.\n\n## X-ONE-2 — Two (MAY)\n\nRealised by `a.b` · checked by `c`\n\n"
+               "It **MAY** hold.\n")
     first, second = parse_chapter("99-x.md", chapter)
     assert (first.model_only, first.text) == ("nothing shows it.", "It **MUST** hold.")
     assert (second.model_only, second.text) == (None, "It **MAY** hold.")
@@ -156,8 +157,8 @@ def test_cited_clause_ids_exist():
 
 
 def test_clause_ids_cited_in_spec_text_exist():
-    missing = {(c.id, ref) for c in CLAUSES.values() for ref in CLAUSE_ID.findall(f"{c.text} {c.model_only or ''} {c.history or ''}")
-               if ref not in CLAUSES}
+    missing = {(c.id, ref) for c in CLAUSES.values()
+               for ref in CLAUSE_ID.findall(f"{c.text} {c.model_only or ''} {c.history or ''}") if ref not in CLAUSES}
     assert not missing, f"clauses cite undefined clauses: {sorted(missing)}"
 
 

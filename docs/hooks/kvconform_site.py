@@ -280,7 +280,8 @@ def clause_heading(clause: registry.Clause) -> str:
     """Return a clause's heading: its ID (the anchor) and title, then its requirement badge; the table of contents
     lists it as `ID — title`."""
     label = admonition_title(f"{clause.id} — {clause.title}")
-    return f'## {clause.id} — {clause.title} {requirement_badge(clause.requirement)} {{ #{clause.id} data-toc-label="{label}" }}'
+    attributes = f'{{ #{clause.id} data-toc-label="{label}" }}'
+    return f"## {clause.id} — {clause.title} {requirement_badge(clause.requirement)} {attributes}"
 
 
 def history_note(clause: registry.Clause, page: str) -> str:
@@ -308,7 +309,8 @@ def clause_section(clause: registry.Clause, page: str) -> str:
         else:
             others = ", ".join(f"[{c}]({clause_link(c, page)})" for c in CHECKS[name].clauses)
             intro = f"Registered run-time check (kind `{CHECKS[name].kind}`) of {others}: "
-            parts.append(definition_block("success", f"check `{name}` — {summary(definition.doc)}", definition, page, intro))
+            title = f"check `{name}` — {summary(definition.doc)}"
+            parts.append(definition_block("success", title, definition, page, intro))
     return "\n\n".join(part for part in parts if part) + "\n"
 
 
