@@ -463,13 +463,13 @@ def directive_example_report(args: list[str], page: str) -> str:
 
 
 def directive_report_schema(args: list[str], page: str) -> str:
-    return (f"Download: [`{SCHEMA_FILE}`]({link(SCHEMA_FILE, page)})\n\n"
+    return (f"Published as [`{SCHEMA_FILE}`]({link(SCHEMA_FILE, page)}).\n\n"
             + collapsible("abstract", f"The JSON schema of `RunReport` (spec {registry.spec_version()})",
                           fenced(report_schema().rstrip(), "json")))
 
 
 def directive_scenario_schema(args: list[str], page: str) -> str:
-    return (f"Download: [`{SCENARIO_SCHEMA_FILE}`]({link(SCENARIO_SCHEMA_FILE, page)})\n\n"
+    return (f"Published as [`{SCENARIO_SCHEMA_FILE}`]({link(SCENARIO_SCHEMA_FILE, page)}).\n\n"
             + collapsible("abstract", f"The JSON schema of a scenario file (spec {registry.spec_version()})",
                           fenced(scenario_schema().rstrip(), "json")))
 
@@ -585,12 +585,18 @@ def expand_directives(markdown: str, page: str) -> str:
     return DIRECTIVE.sub(lambda match: render_directive(match, page) + "\n", markdown)
 
 
+TIMINGS = re.compile(r'("seconds": |"found_after": |time=")[\d.]+')
+
+
 def fill_regions(markdown: str, page: str) -> str:
     """Return a page for the repository: each directive region filled with what its directive renders, as plain
-    markdown between the directive's line and `<!-- /kvconform -->`."""
+    markdown between the directive's line and `<!-- /kvconform -->`; a region that differs only in the example run's
+    timings is kept as it is."""
     def fill(match: re.Match[str]) -> str:
         opening = match.group(0).split("\n", 1)[0]
         body = for_repository(render_directive(match, page) + "\n", page)
+        if match["body"] is not None and TIMINGS.sub("", match["body"].strip()) == TIMINGS.sub("", body):
+            return match.group(0)
         after = "" if match["body"] is not None else "\n"
         return f"{opening}\n\n{body}\n\n{REGION_END}{after}"
 
