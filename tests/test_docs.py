@@ -77,14 +77,16 @@ def test_clause_is_rendered_in_its_chapter(site: Path, clause_id: str) -> None:
 
 
 def test_clause_index_shows_run_time_coverage(site: Path) -> None:
-    """The clause index gives the run-time coverage of the MUST clauses and, per clause, the checks or model-only."""
-    html = page(site, "spec")
+    """The clause index gives the run-time coverage of the MUST clauses and, per clause, its title and the checks or
+    model-only."""
+    text = page(site, "spec")
     must = [c for c in registry.clauses().values() if c.requirement.startswith("MUST")]
     judged = sum(c.id in run_time_clauses() for c in must)
-    assert re.search(rf"a run judging both levels</td>\s*<td>{judged} of {len(must)} ", html), "coverage row missing"
+    assert re.search(rf"a run judging both levels</td>\s*<td>{judged} of {len(must)} ", text), "coverage row missing"
     for clause in registry.clauses().values():
-        row = html.split(f'>{clause.id}</a>', 1)[1].split("</tr>", 1)[0]
+        row = text.split(f'>{clause.id}</a>', 1)[1].split("</tr>", 1)[0]
         assert ("model-only" in row) == bool(clause.model_only), f"{clause.id}: {row}"
+        assert f"<td>{html.escape(clause.title, quote=False)}</td>" in row, f"{clause.id}: its title is not in its row"
 
 
 @pytest.mark.parametrize("clause_id", sorted(registry.clauses()))

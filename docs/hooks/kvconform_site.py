@@ -331,13 +331,14 @@ def chapter_page(name: str) -> str:
 
 def clause_index_page() -> str:
     """Return the clause index: run-time coverage per spec level, then one row per clause with how it is judged."""
-    rows = ["| clause | requirement | spec level | chapter | judged at run time by | unit tests |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| clause | rule | requirement | spec level | chapter | judged at run time by | unit tests |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for clause in CLAUSES.values():
         checks = ", ".join(f"`{c}`" for c in clause.checks if c in CHECKS) or "model-only"
         unit_tests = sum("::" in c for c in clause.checks)
         chapter = f"[{chapter_title(clause.chapter)}]({link(CHAPTER_PAGES[clause.chapter], CLAUSE_INDEX)})"
-        rows.append(f"| [{clause.id}]({clause_link(clause.id, CLAUSE_INDEX)}) | {requirement_badge(clause.requirement)} "
+        rows.append(f"| [{clause.id}]({clause_link(clause.id, CLAUSE_INDEX)}) | {clause.title} "
+                    f"| {requirement_badge(clause.requirement)} "
                     f"| {clause.spec_level or 'every'} | {chapter} | {checks} | {unit_tests} |")
     return (f"# Clause index\n\nkvconform spec {registry.spec_version()}: {len(CLAUSES)} clauses. A clause is judged "
             f"against every adapter at run time by a registered check, or is model-only: its section says why no "
