@@ -1,16 +1,21 @@
 """The clause registry, parsed from the spec's markdown: the markdown is the single source.
 
-A clause is a level-2 heading `## ID — REQUIREMENT` (its RFC 2119 keyword) followed by a line naming the reference symbols that
-realise it and the checks that test it, then the normative text:
+A clause is a level-2 heading `## ID — TITLE (REQUIREMENT)`: its stable ID, a short title that states the rule, and
+its RFC 2119 keyword. The heading is followed by a line naming the reference symbols that realise it and the checks
+that test it, then the normative text, then optionally a note on vLLM's releases and issues:
 
-    ## OFF-READ-1 — MUST
+    ## OFF-READ-1 — No store lookup for a skip-read request (MUST NOT)
 
     Realised by `reference.connector.OffloadConnectorScheduler.get_num_new_matched_tokens` · checked by `check_skip_read`
 
-    A request that must not read cached KV **MUST NOT** be looked up in the store.
+    The store **MUST NOT** be looked up for a skip-read request, in any step.
+
+    History: vLLM issue #44585, fixed by PR #44592 in 0.24.0.
 
 A clause that no run-time check can judge against an adapter has, right after that line, a line
-`Model-only: REASON` saying why: it is tested on the reference (and the kit) alone.
+`Model-only: REASON` saying why: it is tested on the reference (and the kit) alone. The `History:` paragraph, if
+any, is the clause's last: what vLLM releases do and which vLLM issues the rule comes from, kept out of the
+normative text.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-HEADING = re.compile(r"^## (?P<id>[A-Z]+(?:-[A-Z]+)*-\d+) — (?P<requirement>MUST NOT|MUST|SHOULD|MAY)\s*$")
+CLAUSE_ID = r"[A-Z]+(?:-[A-Z]+)*-\d+"
+HEADING = re.compile(rf"^## (?P<id>{CLAUSE_ID}) — (?P<title>\S.*?) \((?P<requirement>MUST NOT|MUST|SHOULD|MAY)\)\s*$")
+CLAUSE_HEADING = re.compile(rf"^## {CLAUSE_ID}\b")
 TRACE = re.compile(r"^Realised by (?P<symbols>.+?) · checked by (?P<checks>.+)$")
 MODEL_ONLY = re.compile(r"^Model-only: (?P<reason>\S.*)$")
+HISTORY = re.compile(r"^History: (?P<note>\S.*)$", re.DOTALL)
 CODE = re.compile(r"`([^`]+)`")
 
 
@@ -33,6 +41,7 @@ CONFORMANCE_CHAPTER = "07-conformance.md"
 @dataclass(frozen=True)
 class Clause:
     id: str
+    title: str
     requirement: str
     chapter: str
     symbols: tuple[str, ...]
@@ -40,6 +49,8 @@ class Clause:
     text: str
     model_only: str | None = None
     """Why no run-time check judges the clause against an adapter; None for a clause judged at run time."""
+    history: str | None = None
+    """What vLLM releases do and which vLLM issues the clause comes from: a note, not part of the rule."""
 
     @property
     def spec_level(self) -> str | None:
@@ -66,17 +77,29 @@ def parse_chapter(name: str, text: str) -> list[Clause]:
     for number, line in enumerate(lines):
         heading = HEADING.match(line)
         if not heading:
+            if CLAUSE_HEADING.match(line):
+                raise SpecFormatError(f"{name}:{number + 1}: not '## ID — TITLE (REQUIREMENT)': {line}")
             continue
-        body = [l for l in _until_next_heading(lines[number + 1 :]) if l.strip()]
-        trace = TRACE.match(body[0]) if body else None
+        paragraphs = _paragraphs(_until_next_heading(lines[number + 1 :]))
+        trace = TRACE.match(paragraphs[0]) if paragraphs else None
         if trace is None:
             raise SpecFormatError(f"{name}:{number + 2}: clause {heading['id']} lacks 'Realised by … · checked by …'")
-        model_only = MODEL_ONLY.match(body[1]) if len(body) > 1 else None
-        text = body[2:] if model_only else body[1:]
-        clauses.append(Clause(heading["id"], heading["requirement"], name, tuple(CODE.findall(trace["symbols"])),
-                              tuple(CODE.findall(trace["checks"])), "\n".join(text).strip(),
-                              model_only and model_only["reason"]))
+        model_only = MODEL_ONLY.match(paragraphs[1]) if len(paragraphs) > 1 else None
+        rule = paragraphs[2:] if model_only else paragraphs[1:]
+        history = HISTORY.match(rule[-1]) if rule else None
+        if history:
+            rule = rule[:-1]
+        if any(HISTORY.match(paragraph) for paragraph in rule):
+            raise SpecFormatError(f"{name}: clause {heading['id']}: its 'History:' note must be its last paragraph")
+        clauses.append(Clause(heading["id"], heading["title"], heading["requirement"], name,
+                              tuple(CODE.findall(trace["symbols"])), tuple(CODE.findall(trace["checks"])),
+                              "\n\n".join(rule), model_only and model_only["reason"], history and history["note"]))
     return clauses
+
+
+def _paragraphs(lines: list[str]) -> list[str]:
+    """Return the paragraphs of a clause body: runs of non-blank lines, each joined by newlines."""
+    return [p.strip() for p in re.split(r"\n[ \t]*\n", "\n".join(lines)) if p.strip()]
 
 
 def _until_next_heading(lines: list[str]) -> list[str]:

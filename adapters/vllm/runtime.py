@@ -131,7 +131,7 @@ def load() -> Runtime:
                               f"`kvconform install-vllm VERSION` (one of {', '.join(RELEASES)})")
     private = Path(tempfile.mkdtemp(prefix="kvconform-vllm-"))
     atexit.register(shutil.rmtree, private, ignore_errors=True)
-    # A user's ~/.cache/vllm can hide missing dependencies (docs/vllm-driving-notes.md §2): never use it.
+    # A user's ~/.cache/vllm can hide missing dependencies (docs/dev/vllm-driving-notes.md §2): never use it.
     os.environ["VLLM_CACHE_ROOT"] = str(private / "cache")
     os.environ["HF_HUB_OFFLINE"] = "1"
     # vLLM seeds its block-hash chain from PYTHONHASHSEED, else from os.urandom at every engine start; a fixed

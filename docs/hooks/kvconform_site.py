@@ -4,8 +4,12 @@
   so pages added there (generated or hand-written) appear without editing mkdocs.yml.
 - `on_files`: adds the generated pages — the clause index, one page per spec chapter, the changelog,
   one page per source file that realises or checks a clause — and `report.schema.json`.
-- `on_page_markdown`: in hand-written pages, a line `<!-- kvconform: NAME ARGS -->` is replaced by
-  what `DIRECTIVES[NAME]` renders from the code; clause IDs anywhere in prose become links.
+- `on_page_markdown`: in hand-written pages, a region `<!-- kvconform: NAME ARGS -->` … `<!-- /kvconform -->` is
+  replaced by what `DIRECTIVES[NAME]` renders from the code; clause IDs anywhere in prose become links.
+
+The home page is the README. A region in a page under `docs/` holds, between its two lines, the same content as
+plain markdown for reading the page in the repository; `python docs/hooks/kvconform_site.py` rewrites every region
+from the code, and tests/test_docs.py fails while one is out of date.
 """
 
 from __future__ import annotations
@@ -49,7 +53,10 @@ CHAPTER_PAGES = {name: f"spec/{name}" for name in registry.chapters()} | {"CHANG
 CLAUSE_INDEX = "spec/index.md"
 SCHEMA_FILE = "report.schema.json"
 SCENARIO_SCHEMA_FILE = "scenario.schema.json"
-DIRECTIVE = re.compile(r"^<!-- kvconform: (?P<name>[\w-]+)(?P<args>[^>]*?) -->$", re.MULTILINE)
+DIRECTIVE = re.compile(r"^<!-- kvconform: (?P<name>[\w-]+)(?P<args>[^>]*?) -->\n"
+                       r"(?:(?P<body>(?:(?!<!-- kvconform: ).)*?)^<!-- /kvconform -->$)?", re.MULTILINE | re.DOTALL)
+REGION_END = "<!-- /kvconform -->"
+HOME = "index.md"
 CLAUSE_REF = re.compile(r"\b[A-Z]+(?:-[A-Z]+)*-\d+\b")
 FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 MUTANT_COMMAND = ("kvconform", "run", "--adapter", "kvconform_test_mutant:make", "--scheduling", "sync")
@@ -211,18 +218,16 @@ def _linkify_line(line: str, page: str) -> str:
     return "".join(parts)
 
 
-def fenced(code: str, language: str = "python", first_line: int | None = None, wrap: bool = False) -> str:
-    """Return `code` as a fenced block (longer fence than any backtick run inside): numbered from
-    `first_line`, or with long lines wrapped (program output)."""
+def fenced(code: str, language: str = "python", first_line: int | None = None) -> str:
+    """Return `code` as a fenced block (longer fence than any backtick run inside): a source listing numbered from
+    `first_line`, which scrolls sideways; without it, long lines wrap within the page (docs/stylesheets)."""
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", code)), default=0))
-    if wrap:
-        return f"{fence}{{ .{language} .kv-output }}\n{code}\n{fence}"
     numbers = f' linenums="{first_line}"' if first_line is not None else ""
     return f"{fence}{language}{numbers}\n{code}\n{fence}"
 
 
 def collapsible(kind: str, title: str, body: str) -> str:
-    return f'??? {kind} "{title}"\n\n{textwrap.indent(body, "    ")}\n'
+    return f'??? {kind} "{admonition_title(title)}"\n\n{textwrap.indent(body, "    ")}\n'
 
 
 def where(definition: Definition, page: str, text: str | None = None) -> str:
@@ -237,8 +242,19 @@ def definition_block(kind: str, title: str, definition: Definition, page: str, i
     return collapsible(kind, title, body)
 
 
-def first_line(doc: str) -> str:
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+SENTENCE_END = re.compile(r"[.!?](?=\s+[A-Z`(\[]|\s*$)")
+
+
+def summary(doc: str) -> str:
+    """Return the first sentence of a docstring's first paragraph, whole even where it runs over several lines."""
+    paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    end = SENTENCE_END.search(paragraph)
+    return paragraph[: end.end()] if end else paragraph
+
+
+def admonition_title(text: str) -> str:
+    """Return `text` fit for an admonition's quoted title."""
+    return text.replace('"', "&quot;")
 
 
 # --- generated pages ---------------------------------------------------------------------------
@@ -260,26 +276,42 @@ def run_time_note(clause: registry.Clause, page: str) -> str:
     return f'!!! success "Judged at run time"\n\n    By {checks}, against every {adapters}.\n'
 
 
+def clause_heading(clause: registry.Clause) -> str:
+    """Return a clause's heading: its ID (the anchor) and title, then its requirement badge; the table of contents
+    lists it as `ID — title`."""
+    label = admonition_title(f"{clause.id} — {clause.title}")
+    attributes = f'{{ #{clause.id} data-toc-label="{label}" }}'
+    return f"## {clause.id} — {clause.title} {requirement_badge(clause.requirement)} {attributes}"
+
+
+def history_note(clause: registry.Clause, page: str) -> str:
+    """Return the clause's History note (vLLM releases and issues), set apart from the rule, or nothing."""
+    if not clause.history:
+        return ""
+    return f'!!! info "History: vLLM releases and issues"\n\n{textwrap.indent(linkify(clause.history, page), "    ")}\n'
+
+
 def clause_section(clause: registry.Clause, page: str) -> str:
-    """Return a clause as markdown: anchored heading with requirement badge, text, how it is judged, realising code,
-    checks."""
-    parts = [f'## {clause.id} {requirement_badge(clause.requirement)} {{ #{clause.id} data-toc-label="{clause.id}" }}',
-             linkify(clause.text, page), run_time_note(clause, page), "**Realised by**"]
+    """Return a clause as markdown: anchored heading with title and requirement badge, text, its History note, how
+    it is judged, realising code, checks."""
+    parts = [clause_heading(clause), linkify(clause.text, page), history_note(clause, page),
+             run_time_note(clause, page), "**Realised by**"]
     for name in clause.symbols:
         definition = symbol(name)
-        summary = f" — {first_line(definition.doc)}" if definition.doc else ""
-        parts.append(definition_block("quote", f"`{name}`{summary}", definition, page))
+        described = f" — {summary(definition.doc)}" if definition.doc else ""
+        parts.append(definition_block("quote", f"`{name}`{described}", definition, page))
     parts.append("**Checked by**")
     for name in clause.checks:
         definition = check(name)
         if "::" in name:
-            title = f"unit test `{name.split('::')[1]}` — {first_line(definition.doc)}"
+            title = f"unit test `{name.split('::')[1]}` — {summary(definition.doc)}"
             parts.append(definition_block("example", title, definition, page, intro=f"`{name}`: "))
         else:
             others = ", ".join(f"[{c}]({clause_link(c, page)})" for c in CHECKS[name].clauses)
             intro = f"Registered run-time check (kind `{CHECKS[name].kind}`) of {others}: "
-            parts.append(definition_block("success", f"check `{name}` — {CHECKS[name].doc}", definition, page, intro))
-    return "\n\n".join(parts) + "\n"
+            title = f"check `{name}` — {summary(definition.doc)}"
+            parts.append(definition_block("success", title, definition, page, intro))
+    return "\n\n".join(part for part in parts if part) + "\n"
 
 
 def chapter_page(name: str) -> str:
@@ -299,13 +331,14 @@ def chapter_page(name: str) -> str:
 
 def clause_index_page() -> str:
     """Return the clause index: run-time coverage per spec level, then one row per clause with how it is judged."""
-    rows = ["| clause | requirement | spec level | chapter | judged at run time by | unit tests |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| clause | rule | requirement | spec level | chapter | judged at run time by | unit tests |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for clause in CLAUSES.values():
         checks = ", ".join(f"`{c}`" for c in clause.checks if c in CHECKS) or "model-only"
         unit_tests = sum("::" in c for c in clause.checks)
         chapter = f"[{chapter_title(clause.chapter)}]({link(CHAPTER_PAGES[clause.chapter], CLAUSE_INDEX)})"
-        rows.append(f"| [{clause.id}]({clause_link(clause.id, CLAUSE_INDEX)}) | {requirement_badge(clause.requirement)} "
+        rows.append(f"| [{clause.id}]({clause_link(clause.id, CLAUSE_INDEX)}) | {clause.title} "
+                    f"| {requirement_badge(clause.requirement)} "
                     f"| {clause.spec_level or 'every'} | {chapter} | {checks} | {unit_tests} |")
     return (f"# Clause index\n\nkvconform spec {registry.spec_version()}: {len(CLAUSES)} clauses. A clause is judged "
             f"against every adapter at run time by a registered check, or is model-only: its section says why no "
@@ -340,11 +373,16 @@ def source_file_page(path: str, clause_ids: list[str]) -> str:
     return f"{front_matter}# `{path}`\n\n{served}{fenced((ROOT / path).read_text().rstrip(), first_line=1)}\n"
 
 
+def home_page() -> str:
+    """Return the home page: the README, whose links to `docs/` pages become links to the site's pages."""
+    return linkify((ROOT / "README.md").read_text().replace("](docs/", "]("), HOME)
+
+
 @cache
 def generated_pages() -> dict[str, str]:
     """Return every generated page, docs path -> markdown, in navigation order."""
     changelog = CHAPTER_PAGES["CHANGELOG.md"]
-    pages = {CLAUSE_INDEX: clause_index_page()}
+    pages = {HOME: home_page(), CLAUSE_INDEX: clause_index_page()}
     pages |= {CHAPTER_PAGES[name]: chapter_page(name) for name in registry.chapters()}
     pages[changelog] = linkify((ROOT / "spec" / "CHANGELOG.md").read_text(), changelog)
     pages |= {source_page(path): source_file_page(path, ids) for path, ids in source_files().items()}
@@ -405,34 +443,34 @@ def abridged_report() -> report.RunReport:
 def directive_counterexample(args: list[str], page: str) -> str:
     run = mutant_run()
     tail = run["stdout"][run["stdout"].index("NOT conformant"):].rstrip()
-    return (f"{fenced('PYTHONPATH=tests ' + ' '.join(MUTANT_COMMAND), 'sh', wrap=True)}\n\n"
+    return (f"{fenced('PYTHONPATH=tests ' + ' '.join(MUTANT_COMMAND), 'sh')}\n\n"
             f"prints its run-time coverage line and the clauses that failed or were not exercised, then:\n\n"
-            f"{fenced(tail, 'text', wrap=True)}\n")
+            f"{fenced(tail, 'text')}\n")
 
 
 def directive_coverage_line(args: list[str], page: str) -> str:
     """Return the run-time coverage line the mutant run printed."""
-    return fenced(mutant_run()["stdout"].splitlines()[0], "text", wrap=True)
+    return fenced(mutant_run()["stdout"].splitlines()[0], "text")
 
 
 def directive_example_report(args: list[str], page: str) -> str:
     """Return the abridged report of the mutant run as `json` or `junit`."""
     abridged = abridged_report()
     if args == ["json"]:
-        return fenced(abridged.model_dump_json(indent=2), "json", wrap=True)
+        return fenced(abridged.model_dump_json(indent=2), "json")
     if args == ["junit"]:
-        return fenced(report.junit_xml(abridged), "xml", wrap=True)
+        return fenced(report.junit_xml(abridged), "xml")
     raise SiteError(f"{page}: example-report takes json or junit, not {' '.join(args)!r}")
 
 
 def directive_report_schema(args: list[str], page: str) -> str:
-    return (f"Download: [`{SCHEMA_FILE}`]({link(SCHEMA_FILE, page)})\n\n"
+    return (f"Published as [`{SCHEMA_FILE}`]({link(SCHEMA_FILE, page)}).\n\n"
             + collapsible("abstract", f"The JSON schema of `RunReport` (spec {registry.spec_version()})",
                           fenced(report_schema().rstrip(), "json")))
 
 
 def directive_scenario_schema(args: list[str], page: str) -> str:
-    return (f"Download: [`{SCENARIO_SCHEMA_FILE}`]({link(SCENARIO_SCHEMA_FILE, page)})\n\n"
+    return (f"Published as [`{SCENARIO_SCHEMA_FILE}`]({link(SCENARIO_SCHEMA_FILE, page)}).\n\n"
             + collapsible("abstract", f"The JSON schema of a scenario file (spec {registry.spec_version()})",
                           fenced(scenario_schema().rstrip(), "json")))
 
@@ -457,7 +495,7 @@ def directive_model(args: list[str], page: str) -> str:
         default = "required" if info.is_required() else f"`{info.get_default(call_default_factory=True)!r}`"
         rows.append(f"| `{name}` | `{written[name]}` | {default} | {info.description or ''} |")
     title = where(definition, page, f"`{args[0].rpartition('.')[2]}`")
-    return f"**{title}** — {first_line(definition.doc)}\n\n" + "\n".join(rows) + "\n"
+    return f"**{title}** — {summary(definition.doc)}\n\n" + "\n".join(rows) + "\n"
 
 
 def directive_source(args: list[str], page: str) -> str:
@@ -537,13 +575,70 @@ DIRECTIVES: dict[str, Callable[[list[str], str], str]] = {
 }
 
 
-def expand_directives(markdown: str, page: str) -> str:
-    def expand(match: re.Match[str]) -> str:
-        if match["name"] not in DIRECTIVES:
-            raise SiteError(f"{page}: unknown directive {match['name']!r}; known: {', '.join(DIRECTIVES)}")
-        return DIRECTIVES[match["name"]](match["args"].split(), page)
+def render_directive(match: re.Match[str], page: str) -> str:
+    if match["name"] not in DIRECTIVES:
+        raise SiteError(f"{page}: unknown directive {match['name']!r}; known: {', '.join(DIRECTIVES)}")
+    return DIRECTIVES[match["name"]](match["args"].split(), page)
 
-    return DIRECTIVE.sub(expand, markdown)
+
+def expand_directives(markdown: str, page: str) -> str:
+    """Return a page for the site: each directive region replaced by what its directive renders."""
+    return DIRECTIVE.sub(lambda match: render_directive(match, page) + "\n", markdown)
+
+
+TIMINGS = re.compile(r'("seconds": |"found_after": |time=")[\d.]+')
+
+
+def fill_regions(markdown: str, page: str) -> str:
+    """Return a page for the repository: each directive region filled with what its directive renders, as plain
+    markdown between the directive's line and `<!-- /kvconform -->`; a region that differs only in the example run's
+    timings is kept as it is."""
+    def fill(match: re.Match[str]) -> str:
+        opening = match.group(0).split("\n", 1)[0]
+        body = for_repository(render_directive(match, page) + "\n", page)
+        if match["body"] is not None and TIMINGS.sub("", match["body"].strip()) == TIMINGS.sub("", body):
+            return match.group(0)
+        after = "" if match["body"] is not None else "\n"
+        return f"{opening}\n\n{body}\n\n{REGION_END}{after}"
+
+    return DIRECTIVE.sub(fill, markdown)
+
+
+NUMBERED_SOURCE = re.compile(r"^(`{3,})\w+ linenums=\"\d+\"\n.*?^\1\n?", re.MULTILINE | re.DOTALL)
+COLLAPSIBLE = re.compile(r'^\?\?\? \w+ "(?P<title>.*)"\n\n(?P<body>(?:(?: {4}.*)?\n)*)', re.MULTILINE)
+LINK = re.compile(r"\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)\)")
+SOURCE_LINE = re.compile(r"^(?:\.\./)*source/(?P<path>.+)\.md#__codelineno-0-(?P<line>\d+)$")
+
+
+def for_repository(markdown: str, page: str) -> str:
+    """Return site markdown as plain markdown that reads well in the repository: collapsed blocks as <details>,
+    source listings as the links to the files' lines that precede them (the repository has the files), and links
+    to what only the site serves as their text."""
+    markdown = NUMBERED_SOURCE.sub("", COLLAPSIBLE.sub(_repository_collapsible, markdown))
+    markdown = LINK.sub(lambda m: _repository_link(m["text"], m["target"], page), markdown)
+    return re.sub(r"\n{3,}", "\n\n", markdown).strip()
+
+
+def _repository_collapsible(match: re.Match[str]) -> str:
+    """Return a collapsed block as <details>, or, once its source listing is left to the link, as one line."""
+    body = NUMBERED_SOURCE.sub("", textwrap.dedent(match["body"])).strip()
+    if "```" not in body:
+        return f"{match['title']}: {body}\n\n"
+    return f"<details><summary>{_html_code(match['title'])}</summary>\n\n{body}\n\n</details>\n\n"
+
+
+def _html_code(text: str) -> str:
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+
+
+def _repository_link(text: str, target: str, page: str) -> str:
+    if re.match(r"\w+://", target):
+        return f"[{text}]({target})"
+    here = (DOCS / page).parent
+    source = SOURCE_LINE.match(target)
+    if source:
+        return f"[{text}]({posixpath.relpath(ROOT / source['path'], here)}#L{source['line']})"
+    return f"[{text}]({target})" if (here / target.partition("#")[0]).exists() else text
 
 
 # --- MkDocs events -----------------------------------------------------------------------------
@@ -591,3 +686,19 @@ def on_page_content(html: str, page: Page, config: MkDocsConfig, files: Files) -
     # source lines are validated like any other anchor.
     page.present_anchor_ids |= set(re.findall(r'id="(__codelineno-[\d-]+)"', html))
     return html
+
+
+def written_pages() -> list[str]:
+    """Return the hand-written pages of the site, docs paths."""
+    return sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if not {"hooks", "dev"} & set(p.parts))
+
+
+if __name__ == "__main__":
+    # Rewrite the directive regions of every hand-written page from the code (see the module docstring).
+    for written in written_pages():
+        path = DOCS / written
+        before = path.read_text()
+        after = fill_regions(before, written)
+        if after != before:
+            path.write_text(after)
+            print(f"rewrote docs/{written}")
