@@ -40,7 +40,7 @@ def _mutant_figures(name: str, clauses: tuple[str, ...], results: list[runner.Ru
     outcomes = Counter("passed" if result.passed else result.failed_clause for result in results)
     seeds_note = f"{len(results)} seeds, profile {profile}: " + ", ".join(f"{k} ×{n}" for k, n in outcomes.items())
     seconds = [result.seconds for result in failed]
-    found = [result.found_after for result in failed]
+    found = [result.found_after for result in failed if result.found_after is not None]
     shrunk = [result.counterexample_requests for result in failed]
     missing = "" if failed else "no seed failed"
     return [

@@ -95,7 +95,7 @@ def _measure_pair(settings: TransferSettings, pair: DevicePair, dtype: str) -> l
     store_side = _buffer_like(engine.store, settings.pool_blocks)
     plain_ends = {"store": (gpu_side, store_side), "load": (store_side, gpu_side)}
     rng = random.Random(0)
-    samples = {direction: [] for direction in DIRECTIONS}
+    samples: dict[str, list[dict[str, float]]] = {direction: [] for direction in DIRECTIONS}
     for repetition in range(settings.repetitions + 1):  # the first pass warms up and is not kept
         times = {direction: dict.fromkeys(("engine", *BASELINES), 0.0) for direction in DIRECTIONS}
         for count in settings.job_blocks:
@@ -128,7 +128,7 @@ def _figures(pair: DevicePair, dtype: str, direction: str, samples: list[dict[st
              settings: TransferSettings) -> list[Figure]:
     label = f"{pair.label} {dtype} {direction}"
     note = (f"jobs of {'/'.join(map(str, settings.job_blocks))} random blocks, median of {settings.repetitions}"
-            + (f", {settings.cpu_threads} CPU thread(s)" if pair.device.type == "cpu" else ""))
+            + (f", {settings.cpu_threads} CPU thread(s)" if pair.device is not None and pair.device.type == "cpu" else ""))
 
     def ratio(baseline: str) -> float:
         return statistics.median(sample[baseline] / sample["engine"] for sample in samples)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,8 @@ class PytestRun:
     cpu_seconds: float
     """CPU time of the pytest process and its workers."""
     passed: bool
-    report: dict | None
+    report: dict[str, Any]
+    """The kvconform report the run wrote; empty for a run that writes none (the catalogue's)."""
 
     @property
     def cores(self) -> str:
@@ -113,7 +115,7 @@ def _pytest(folder: Path, workers: int, arguments: list[str], environment: dict[
                           capture_output=True, text=True, cwd=folder, env={**os.environ, **environment})
     if done.returncode not in (0, 1):
         raise RuntimeError(f"pytest with {workers} worker(s) ended with status {done.returncode}: {done.stdout[-2000:]}")
-    return PytestRun(time.perf_counter() - started, _children_cpu_seconds() - cpu_started, done.returncode == 0, None)
+    return PytestRun(time.perf_counter() - started, _children_cpu_seconds() - cpu_started, done.returncode == 0, {})
 
 
 def _children_cpu_seconds() -> float:

@@ -186,7 +186,7 @@ class ARCPolicy:
         self.target_t1 = 0.0
 
 
-POLICIES = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[LRUPolicy | ARCPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
 @dataclass
