@@ -49,7 +49,8 @@ def _mutant_figures(name: str, clauses: tuple[str, ...], results: list[runner.Ru
                target=at_least(1.0), note=seeds_note),
         Figure(benchmark=NAME, figure=f"{name}: median time to failure",
                value=statistics.median(seconds) if failed else None, unit="s", target=at_most(10),
-               note=f"shrinking included; found after {statistics.median(found):.1f} s (median)" if failed else missing),
+               note=(f"shrinking included; found after {statistics.median(found):.1f} s (median)" if failed
+                     else missing)),
         Figure(benchmark=NAME, figure=f"{name}: max time to failure", value=max(seconds, default=None), unit="s",
                note=missing),
         Figure(benchmark=NAME, figure=f"{name}: shrunk length (max)", value=max(shrunk, default=None),

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvconform.benchmarks import catalogue_suite
 from kvconform.benchmarks.figures import Figure, Progress, at_least
@@ -114,7 +114,8 @@ def _pytest(folder: Path, workers: int, arguments: list[str], environment: dict[
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(workers), *isolated(folder), *arguments],
                           capture_output=True, text=True, cwd=folder, env={**os.environ, **environment})
     if done.returncode not in (0, 1):
-        raise RuntimeError(f"pytest with {workers} worker(s) ended with status {done.returncode}: {done.stdout[-2000:]}")
+        raise RuntimeError(f"pytest with {workers} worker(s) ended with status {done.returncode}: "
+                           f"{done.stdout[-2000:]}")
     return PytestRun(time.perf_counter() - started, _children_cpu_seconds() - cpu_started, done.returncode == 0, {})
 
 

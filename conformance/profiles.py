@@ -13,6 +13,7 @@ from unittest import mock
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import ExampleDatabase
+
 # Private: no public setting turns off Hypothesis's local constants (6.170), see programs_from_seed_alone.
 from hypothesis.internal.conjecture import providers
 
