@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Callable
 
 from kvconform.adapters.contract import KVConnectorAdapter
 

@@ -40,7 +40,7 @@ def _mutant_figures(name: str, clauses: tuple[str, ...], results: list[runner.Ru
     outcomes = Counter("passed" if result.passed else result.failed_clause for result in results)
     seeds_note = f"{len(results)} seeds, profile {profile}: " + ", ".join(f"{k} ×{n}" for k, n in outcomes.items())
     seconds = [result.seconds for result in failed]
-    found = [result.found_after for result in failed]
+    found = [result.found_after for result in failed if result.found_after is not None]
     shrunk = [result.counterexample_requests for result in failed]
     missing = "" if failed else "no seed failed"
     return [
@@ -49,7 +49,8 @@ def _mutant_figures(name: str, clauses: tuple[str, ...], results: list[runner.Ru
                target=at_least(1.0), note=seeds_note),
         Figure(benchmark=NAME, figure=f"{name}: median time to failure",
                value=statistics.median(seconds) if failed else None, unit="s", target=at_most(10),
-               note=f"shrinking included; found after {statistics.median(found):.1f} s (median)" if failed else missing),
+               note=(f"shrinking included; found after {statistics.median(found):.1f} s (median)" if failed
+                     else missing)),
         Figure(benchmark=NAME, figure=f"{name}: max time to failure", value=max(seconds, default=None), unit="s",
                note=missing),
         Figure(benchmark=NAME, figure=f"{name}: shrunk length (max)", value=max(shrunk, default=None),

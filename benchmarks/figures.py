@@ -67,7 +67,7 @@ class Figure(BaseModel):
     target: Target | None = None
     note: str = ""
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented form
     @property
     def met(self) -> bool | None:
         """Whether the target holds; None without a target or a value."""

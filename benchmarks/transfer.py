@@ -95,25 +95,15 @@ def _measure_pair(settings: TransferSettings, pair: DevicePair, dtype: str) -> l
     store_side = _buffer_like(engine.store, settings.pool_blocks)
     plain_ends = {"store": (gpu_side, store_side), "load": (store_side, gpu_side)}
     rng = random.Random(0)
-    samples = {direction: [] for direction in DIRECTIONS}
+    samples: dict[str, list[dict[str, float]]] = {direction: [] for direction in DIRECTIONS}
     for repetition in range(settings.repetitions + 1):  # the first pass warms up and is not kept
         times = {direction: dict.fromkeys(("engine", *BASELINES), 0.0) for direction in DIRECTIONS}
         for count in settings.job_blocks:
             gpu_blocks = rng.sample(range(1, settings.pool_blocks), count)
             rows = rng.sample(range(settings.pool_blocks), count)
-            ids = {"store": (gpu_blocks, rows), "load": (rows, gpu_blocks)}
             for direction in DIRECTIONS:
-                source, target = plain_ends[direction]
-                source_ids, target_ids = ids[direction]
                 first, second = (rng.randrange(settings.pool_blocks - count + 1) for _ in range(2))
-                jobs = {
-                    "engine": (lambda: engine.copy_to_store(gpu_blocks, rows)) if direction == "store" else
-                              (lambda: engine.copy_to_gpu(rows, gpu_blocks)),
-                    "same blocks": lambda: torch._foreach_copy_([target[i] for i in target_ids],
-                                                                [source[i] for i in source_ids], non_blocking=True),
-                    "contiguous": lambda: target[first : first + count].copy_(source[second : second + count],
-                                                                              non_blocking=True),
-                }
+                jobs = _copies(engine, direction, gpu_blocks, rows, plain_ends[direction], first, second)
                 for name in rng.sample(list(jobs), len(jobs)):
                     times[direction][name] += _timed(jobs[name])
         if repetition:
@@ -124,11 +114,29 @@ def _measure_pair(settings: TransferSettings, pair: DevicePair, dtype: str) -> l
             for figure in _figures(pair, dtype, direction, samples[direction], job_bytes, settings)]
 
 
+def _copies(engine: TransferEngine, direction: str, gpu_blocks: list[int], rows: list[int],
+            plain_ends: tuple[torch.Tensor, torch.Tensor], first: int, second: int) -> dict[str, Callable[[], object]]:
+    """Return, to be timed, the engine's copy of one job and the baselines' copies of as many blocks between the plain
+    (source, target) buffers: the same blocks, and one contiguous piece (source from block `second`, target from
+    block `first`)."""
+    source, target = plain_ends
+    source_ids, target_ids = (gpu_blocks, rows) if direction == "store" else (rows, gpu_blocks)
+    count = len(gpu_blocks)
+    return {
+        "engine": (lambda: engine.copy_to_store(gpu_blocks, rows)) if direction == "store" else
+                  (lambda: engine.copy_to_gpu(rows, gpu_blocks)),
+        "same blocks": lambda: torch._foreach_copy_([target[i] for i in target_ids], [source[i] for i in source_ids],
+                                                    non_blocking=True),
+        "contiguous": lambda: target[first : first + count].copy_(source[second : second + count], non_blocking=True),
+    }
+
+
 def _figures(pair: DevicePair, dtype: str, direction: str, samples: list[dict[str, float]], job_bytes: int,
              settings: TransferSettings) -> list[Figure]:
     label = f"{pair.label} {dtype} {direction}"
+    on_cpu = pair.device is not None and pair.device.type == "cpu"
     note = (f"jobs of {'/'.join(map(str, settings.job_blocks))} random blocks, median of {settings.repetitions}"
-            + (f", {settings.cpu_threads} CPU thread(s)" if pair.device.type == "cpu" else ""))
+            + (f", {settings.cpu_threads} CPU thread(s)" if on_cpu else ""))
 
     def ratio(baseline: str) -> float:
         return statistics.median(sample[baseline] / sample["engine"] for sample in samples)

@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvconform.benchmarks import catalogue_suite
 from kvconform.benchmarks.figures import Figure, Progress, at_least
@@ -47,7 +48,8 @@ class PytestRun:
     cpu_seconds: float
     """CPU time of the pytest process and its workers."""
     passed: bool
-    report: dict | None
+    report: dict[str, Any]
+    """The kvconform report the run wrote; empty for a run that writes none (the catalogue's)."""
 
     @property
     def cores(self) -> str:
@@ -113,8 +115,9 @@ def _pytest(folder: Path, workers: int, arguments: list[str], environment: dict[
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(workers), *isolated(folder), *arguments],
                           capture_output=True, text=True, cwd=folder, env={**os.environ, **environment})
     if done.returncode not in (0, 1):
-        raise RuntimeError(f"pytest with {workers} worker(s) ended with status {done.returncode}: {done.stdout[-2000:]}")
-    return PytestRun(time.perf_counter() - started, _children_cpu_seconds() - cpu_started, done.returncode == 0, None)
+        raise RuntimeError(f"pytest with {workers} worker(s) ended with status {done.returncode}: "
+                           f"{done.stdout[-2000:]}")
+    return PytestRun(time.perf_counter() - started, _children_cpu_seconds() - cpu_started, done.returncode == 0, {})
 
 
 def _children_cpu_seconds() -> float:

@@ -60,12 +60,13 @@ class RequestSpec(_Frozen):
     lora_name: str | None = None
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.model_dump().items() if v != RequestSpec.model_fields[k].default)
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.model_dump().items()
+                           if v != RequestSpec.model_fields[k].default)
         return f"RequestSpec({fields})"
 
 
 class BlockRef(_Frozen):
-    """Offloaded block `index` of request `request_id`: tokens `[index*B, (index+1)*B)` with B = offloaded block size."""
+    """Offloaded block `index` of request `request_id`: tokens `[index*B, (index+1)*B)`, B the offloaded block size."""
 
     request_id: str
     index: int = Field(ge=0)
@@ -108,14 +109,21 @@ class TransferOutcome(_Frozen):
 class StepObservation(_Frozen):
     """Everything one engine step did that the spec constrains."""
 
-    scheduled_tokens: dict[str, NonNegativeInt] = Field(description="tokens scheduled for each request in this step (SCHED-STEP-2)")
-    computed_tokens: dict[str, NonNegativeInt] = Field(description="num_computed_tokens of every unfinished request after the step")
-    match_answers: tuple[MatchAnswer, ...] = Field((), description="every get_num_new_matched_tokens call of the step, in order")
-    lookups: dict[str, tuple[NonNegativeInt, ...]] = Field(default_factory=dict, description="offloaded block indices looked up, in order")
+    scheduled_tokens: dict[str, NonNegativeInt] = Field(description="tokens scheduled for each request in this step "
+                                                                    "(SCHED-STEP-2)")
+    computed_tokens: dict[str, NonNegativeInt] = Field(description="num_computed_tokens of every unfinished request "
+                                                                   "after the step")
+    match_answers: tuple[MatchAnswer, ...] = Field((), description="every get_num_new_matched_tokens call of the step, "
+                                                                   "in order")
+    lookups: dict[str, tuple[NonNegativeInt, ...]] = Field(default_factory=dict, description="offloaded block indices "
+                                                                                             "looked up, in order")
     loads: tuple[LoadJob, ...] = Field((), description="load jobs created in this step (CONN-ALLOC-1)")
-    store_offers: tuple[StoreJob, ...] = Field((), description="blocks offered to prepare_store, per request (OFF-STORE-1)")
-    stores: tuple[StoreJob, ...] = Field((), description="blocks prepare_store chose to write: the store jobs (OFF-STORE-3)")
-    evicted: tuple[BlockRef, ...] = Field((), description="blocks the store evicted in this step (OFF-LRU-1, OFF-ARC-1)")
+    store_offers: tuple[StoreJob, ...] = Field((), description="blocks offered to prepare_store, per request "
+                                                               "(OFF-STORE-1)")
+    stores: tuple[StoreJob, ...] = Field((), description="blocks prepare_store chose to write: the store jobs "
+                                                         "(OFF-STORE-3)")
+    evicted: tuple[BlockRef, ...] = Field((), description="blocks the store evicted in this step (OFF-LRU-1, "
+                                                          "OFF-ARC-1)")
     preempted: tuple[str, ...] = Field((), description="running requests the scheduler preempted in this step to make "
                                                        "room (SCHED-PREEMPT-1)")
     promoted: dict[str, NonNegativeInt] = Field(default_factory=dict, description="waiting requests whose finished "
@@ -127,7 +135,8 @@ class StepObservation(_Frozen):
     finished: tuple[str, ...] = Field((), description="requests that finished in this step (LIFE-FIN-1)")
     freed: tuple[str, ...] = Field((), description="requests whose GPU blocks were released in this step")
     forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")
-    store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight stores read during the forward")
+    store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight "
+                                                                                       "stores read during the forward")
     # The offloading level: the manager calls of the step, as vLLM's OffloadingManager receives them.
     completed_loads: tuple[LoadJob, ...] = Field((), description="load jobs whose completion was processed in this "
                                                                "step (complete_load, OFF-MGR-3); each job of `loads` "
@@ -185,7 +194,8 @@ class Capabilities(_Frozen):
     """What an implementation claims to support; the harness draws only from this (CONF-CAP-1)."""
 
     async_scheduling: bool = Field(True, description="runs with async scheduling as well as sync")
-    eviction_policies: tuple[Literal["lru", "arc"], ...] = Field(("lru", "arc"), description="store eviction policies it implements")
+    eviction_policies: tuple[Literal["lru", "arc"], ...] = Field(("lru", "arc"), description="store eviction policies "
+                                                                                            "it implements")
     block_size_factors: tuple[int, ...] = Field((1, 2, 3), description="GPU blocks per offloaded block it supports")
     preemption: bool = Field(True, description="preempt() of a running request is supported")
     abort: bool = Field(True, description="abort() of an unfinished request is supported")

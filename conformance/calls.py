@@ -6,6 +6,7 @@ or never return — becomes a named clause failure; it never crashes the harness
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -64,7 +65,8 @@ class AdapterCaller:
 
     def build(self, factory: Callable[[], KVConnectorAdapter]) -> KVConnectorAdapter:
         """Build the adapter under the failure rules of any call (CONF-CALL-1) but without the call timeout: building
-        may import a whole engine (vLLM: 26 – 99 s measured on a busy 2-core machine), which is no hang (CONF-CALL-2)."""
+        may import a whole engine (vLLM: 26 – 99 s measured on a busy 2-core machine), which is no hang
+        (CONF-CALL-2)."""
         self.adapter = self._invoke("adapter = factory()", factory, timed=False)
         return self.adapter
 
@@ -108,12 +110,14 @@ class AdapterCaller:
             except ValidationError as error:
                 raise ClauseViolation("CONF-OBS-1", f"{call} returned an invalid {expected.__name__}: "
                                                     f"{_short(error)}") from None
-        if expected is torch.Tensor:
+        if isinstance(value, torch.Tensor):
             self._check_kv(call, value)
         return value
 
     def _check_kv(self, call: str, kv: torch.Tensor) -> None:
         """KV rows are `[tokens, token_width]` of the configured dtype (CONF-OBS-1)."""
+        if self.config is None:
+            raise RuntimeError(f"{call} before start(config): no configuration to check the KV against")
         width, dtype = self.config.token_width, getattr(torch, self.config.kv_dtype)
         if kv.dim() != 2 or kv.shape[1] != width or kv.dtype != dtype:
             raise ClauseViolation("CONF-OBS-1", f"{call} returned a {kv.dtype} tensor of shape {tuple(kv.shape)}, "
@@ -140,7 +144,8 @@ class _deadline:
 
     def __init__(self, timeout: float | None, call: str, trace: list[str]) -> None:
         self.armed = timeout is not None and threading.current_thread() is threading.main_thread()
-        self.timeout, self.call, self.trace = timeout, call, trace
+        self.timeout = math.inf if timeout is None else timeout  # no timeout: the call may take forever
+        self.call, self.trace = call, trace
 
     def __enter__(self) -> None:
         if self.armed:

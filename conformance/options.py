@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import get_args
+from typing import TypeGuard, get_args
 
 from hypothesis.database import ExampleDatabase
 
@@ -60,9 +60,14 @@ CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVC
 
 def select_connector(*values: str | None) -> None:
     """Name the connector, its config and its manifest for `vllm-connector`; values not given are left as set."""
-    for variable, value in zip(CONNECTOR_VARIABLES, values):
+    for variable, value in zip(CONNECTOR_VARIABLES, values, strict=False):
         if value is not None:
             os.environ[variable] = value
+
+
+def is_scheduling(name: str) -> TypeGuard[Scheduling]:
+    """Return whether `name` is a scheduling mode a run can be asked for."""
+    return name in SCHEDULINGS
 
 
 def seed_words(seed: int | None) -> str:
@@ -80,7 +85,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
     `database` is a directory, a Redis URL or `none` (`examples.open_database`)."""
     if profile not in PROFILES:
         raise UsageProblem(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    if scheduling not in SCHEDULINGS:
+    if not is_scheduling(scheduling):
         raise UsageProblem(f"unknown scheduling {scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
     if not call_timeout > 0:
         raise UsageProblem(f"the call timeout must be more than 0 seconds, not {call_timeout:g}")

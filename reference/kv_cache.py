@@ -134,7 +134,8 @@ class KVCacheManager:
         delay_caching: bool,
         reserved: int = 0,
     ) -> list[int] | None:
-        """Give a request blocks for its new tokens; None when the pool, less `reserved` blocks, is short (SCHED-ALLOC-1)."""
+        """Give a request blocks for its new tokens; None when the pool, less `reserved` blocks, is short
+        (SCHED-ALLOC-1)."""
         if num_new_tokens < 0 or num_external_tokens < 0:
             raise InvalidCall("SCHED-ALLOC-1", f"negative token counts {num_new_tokens}, {num_external_tokens}")
         computed_blocks = self.pool.valid_ids(computed_blocks)

@@ -68,7 +68,8 @@ class KVHistory:
         return tuple(request.tokens[:num_tokens])
 
     def record_computed(self, request_id: str, num_tokens: int) -> None:
-        """Record that the engine holds KV for a request's first `num_tokens` tokens, and so for every shorter prefix."""
+        """Record that the engine holds KV for a request's first `num_tokens` tokens, and so for every shorter
+        prefix."""
         request = self.requests[request_id]
         known = self.computed.setdefault(request.tenant, set())
         tokens = self.prefix(request_id, num_tokens)
@@ -78,7 +79,8 @@ class KVHistory:
             known.add(tokens[:length])
 
     def was_computed(self, request_id: str, num_tokens: int) -> bool:
-        """Return True if KV for a request's first `num_tokens` tokens was computed before, in its tenant (KVC-HIT-1)."""
+        """Return True if KV for a request's first `num_tokens` tokens was computed before, in its tenant
+        (KVC-HIT-1)."""
         if num_tokens == 0:
             return True
         request = self.requests[request_id]

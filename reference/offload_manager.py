@@ -186,7 +186,7 @@ class ARCPolicy:
         self.target_t1 = 0.0
 
 
-POLICIES = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[LRUPolicy | ARCPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
 @dataclass
@@ -265,12 +265,13 @@ class OffloadManager:
             self.free_slots.extend(block.slot for _, block in freed)
             self.events.append(StoreEvent(evicted, removed=True))
         slots = [self.free_slots.pop() for _ in to_store]
-        for key, slot in zip(to_store, slots):
+        for key, slot in zip(to_store, slots, strict=True):
             self.policy.insert(key, StoredBlock(slot))
         return PrepareStoreOutput(to_store, slots, evicted, policy_victims)
 
     def _evictable(self, victims: Sequence[OffloadKey], keys: Sequence[OffloadKey], count: int) -> bool:
-        """Return True if `victims` are `count` distinct held, idle blocks, none of them among `keys` (OFF-MGR-3, -7)."""
+        """Return True if `victims` are `count` distinct held, idle blocks, none of them among `keys`
+        (OFF-MGR-3, -7)."""
         blocks = [self.policy.get(key) for key in victims]
         return (len(set(victims)) == count and not set(victims) & set(keys)
                 and all(block is not None and block.ref_count == 0 for block in blocks))

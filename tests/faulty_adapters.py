@@ -67,7 +67,8 @@ def evicted_unknown(observation: StepObservation) -> StepObservation:
 
 
 def answers_past_prompt(observation: StepObservation) -> StepObservation:
-    answers = tuple(a.model_copy(update={"external_tokens": 10_000, "load_async": True}) for a in observation.match_answers)
+    answers = tuple(answer.model_copy(update={"external_tokens": 10_000, "load_async": True})
+                    for answer in observation.match_answers)
     return observation.model_copy(update={"match_answers": answers})
 
 
@@ -100,8 +101,10 @@ FAULTS: dict[str, tuple[Callable[[], Any], str, str]] = {
     "step-negative-tokens": (faulty("step", negative_tokens), "CONF-OBS-1", "scheduled_tokens"),
     "step-unknown-request": (faulty("step", unknown_request), "SCHED-STEP-2", "adapter.step(): scheduled tokens"),
     "step-stores-missing-block": (faulty("step", store_of_missing_block), "OFF-STORE-2", "adapter.step(): StoreJob"),
-    "step-evicts-unknown-request": (faulty("step", evicted_unknown), "CONF-OBS-2", "adapter.step(): BlockRef(request_id='ghost'"),
-    "store-contents-list": (faulty("store_contents", lambda s: list(s.ready)), "CONF-OBS-1", "adapter.store_contents()"),
+    "step-evicts-unknown-request": (faulty("step", evicted_unknown), "CONF-OBS-2",
+                                    "adapter.step(): BlockRef(request_id='ghost'"),
+    "store-contents-list": (faulty("store_contents", lambda snapshot: list(snapshot.ready)), "CONF-OBS-1",
+                            "adapter.store_contents()"),
     "resource-usage-negative": (faulty("resource_usage", negative_usage, after=0), "CONF-OBS-1", "used_gpu_blocks"),
     "computed-kv-float32": (faulty("computed_kv", lambda kv: kv.float(), after=0), "CONF-OBS-1", "torch.float32"),
     "computed-kv-narrow": (faulty("computed_kv", lambda kv: kv[:, :-1], after=0), "CONF-OBS-1", "width"),

@@ -14,9 +14,9 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from click.testing import CliRunner
-from faulty_adapters import FAULTS
 from hypothesis import given, settings
 
+from faulty_adapters import FAULTS
 from kvconform.cli import main
 from kvconform.common.values import EngineConfig, ResourceUsage, StepObservation, StoreSnapshot
 from kvconform.conformance import report, runner
@@ -103,7 +103,8 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
 def test_hung_adapter_still_ends_with_a_report(tmp_path: Path) -> None:
     """CONF-CALL-2: a hung call ends the run as an unknown outcome and the report is still written."""
     path = tmp_path / "report.json"
-    code, _ = cli("--adapter", "faulty_adapters:hangs_in_step", "--call-timeout", str(HANG_TIMEOUT), "--report", str(path))
+    code, _ = cli("--adapter", "faulty_adapters:hangs_in_step", "--call-timeout", str(HANG_TIMEOUT),
+                  "--report", str(path))
     written = json.loads(path.read_text())
     assert (code, written["outcome"], written["failed_clause"]) == (1, "info", "CONF-CALL-2")
     assert "adapter.step()" in written["counterexample"]
@@ -114,8 +115,9 @@ def test_interrupted_run_leaves_the_old_report_intact(tmp_path: Path) -> None:
     path = tmp_path / "report.json"
     path.write_text('{"previous": true}')
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    process = subprocess.Popen([sys.executable, "-m", "kvconform.cli", "run", "--adapter", "faulty_adapters:SlowAdapter",
-                                "--report", str(path)], env=env, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "kvconform.cli", "run", "--adapter",
+                                "faulty_adapters:SlowAdapter", "--report", str(path)],
+                               env=env, stderr=subprocess.PIPE, text=True)
     banner = process.stderr.readline()  # the run has started: imports and the adapter's build are done
     time.sleep(2)
     process.send_signal(signal.SIGINT)

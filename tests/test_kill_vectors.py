@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
-from faulty_adapters import FAULTS
 
+from faulty_adapters import FAULTS
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.execution import Call, Session, replay

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.conformance import runner
 from kvconform.conformance.mutants import MUTANTS

@@ -10,6 +10,7 @@ from xml.etree import ElementTree
 import pytest
 from click.testing import CliRunner
 
+from faulty_adapters import failing_reset
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.cli import main
 from kvconform.common.values import Capabilities
@@ -18,7 +19,6 @@ from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.mutants import MUTANTS, black_box
 from kvconform.conformance.report import RunReport, build
 from kvconform.spec import registry
-from faulty_adapters import failing_reset
 
 
 def run(*args: str) -> tuple[int, str]:

@@ -15,8 +15,8 @@ import re
 import subprocess
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 from importlib import resources
+from typing import Any
 
 import pytest
 import torch
@@ -110,7 +110,8 @@ def test_install_explains_the_expected_pin_conflict_instead_of_showing_it(
     assert install.pip(["install", "x"]) == 0
     out, err = capsys.readouterr()
     assert "ERROR" not in err and "incompatible" not in err and "WARNING: something else" in err
-    assert "Successfully installed x" in out and "2 requirement(s) of vLLM's that this set-up leaves out or overrides" in out
+    assert "Successfully installed x" in out
+    assert "2 requirement(s) of vLLM's that this set-up leaves out or overrides" in out
 
 
 def test_adapters_listed_without_importing_vllm() -> None:

@@ -219,9 +219,16 @@ class VllmAdapter(KVConnectorAdapter):
 
     def __init__(self) -> None:
         self.rt = runtime.load()
-        self.config: EngineConfig | None = None
+        self._config: EngineConfig | None = None
         self.scheduler: Any = None
         self.worker: Any = None
+
+    @property
+    def config(self) -> EngineConfig:
+        """Return the configuration the adapter was started with."""
+        if self._config is None:
+            raise RuntimeError(f"{self.name} has no configuration before start(config)")
+        return self._config
 
     # --- what a connector adapter provides -----------------------------------------------------
 
@@ -277,7 +284,7 @@ class VllmAdapter(KVConnectorAdapter):
         self.check_supported(config)
         if config.token_width % 2:
             raise ValueError(f"token_width {config.token_width} must be even: the layout has one K and one V half")
-        self.config = config
+        self._config = config
         self.trace = StepTrace()
         self.specs: dict[str, RequestSpec] = {}
         self.queue: list[Batch] = []

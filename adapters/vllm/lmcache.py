@@ -97,7 +97,8 @@ def stop_server(server: Any, socket: Any) -> None:
     import zmq
 
     server.running = False
-    with zmq.Context.instance().socket(zmq.REQ) as waker:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    with context.socket(zmq.REQ) as waker:
         waker.setsockopt(zmq.LINGER, 0)
         waker.connect(socket.getsockopt_string(zmq.LAST_ENDPOINT))
         waker.send(b"stop")
@@ -160,11 +161,11 @@ class TorchPagedCopy:
         rows[slots[skip:]] = torch.cat((tensor[0, 0, skip:, :half], tensor[1, 0, skip:, :half]), dim=-1)
 
     def batched_from_gpu(self, memory_objs: list[Any], starts: list[int], ends: list[int], **kwargs: Any) -> None:
-        for memory_obj, start, end in zip(memory_objs, starts, ends):
+        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.from_gpu(memory_obj, start, end, **kwargs)
 
     def batched_to_gpu(self, memory_objs: list[Any], starts: list[int], ends: list[int], **kwargs: Any) -> None:
-        for memory_obj, start, end in zip(memory_objs, starts, ends):
+        for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):
             self.to_gpu(memory_obj, start, end, **kwargs)
 
     def get_shape(self, num_tokens: int) -> torch.Size:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,6 +21,9 @@ from kvconform.adapters.contract import ImplementationFailure
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, wrap
 from kvconform.adapters.vllm.transfers import HeldTransfers
 from kvconform.common.values import BlockRef, Capabilities, EngineConfig, LoadJob, StoreJob, StoreSnapshot
+
+Job = TypeVar("Job", LoadJob, StoreJob)
+"""A load or a store: the adapter keeps the two kinds of jobs in flight apart."""
 
 
 class VllmOffloadingAdapter(VllmAdapter):
@@ -86,10 +89,11 @@ class VllmOffloadingAdapter(VllmAdapter):
         self.manager: Any = None
         self.pins: dict[bytes, int] = {}
         self.origin: dict[bytes, BlockRef] = {}
-        self.jobs_in_flight_by_keys: dict[tuple[bool, frozenset[bytes]], list[LoadJob | StoreJob]] = {}
-        """Jobs in flight by direction (is a store) and keys (a set: 0.24 completes a job with its keys as a set),
-        oldest first: two requests may store the same keys before either finishes, and a load may read keys that
-        another request stores again after a connector reset."""
+        self.loads_in_flight: dict[frozenset[bytes], list[LoadJob]] = {}
+        self.stores_in_flight: dict[frozenset[bytes], list[StoreJob]] = {}
+        """Jobs in flight by their keys (a set: 0.24 completes a job with its keys as a set), oldest first: two
+        requests may store the same keys before either finishes, and a load may read keys that another request
+        stores again after a connector reset."""
         self.store_jobs_by_id: dict[int, tuple[frozenset[bytes], StoreJob]] = {}
         self.request_keys: dict[str, list[bytes]] = {}
         self.step_record = _StepRecord()
@@ -144,31 +148,32 @@ class VllmOffloadingAdapter(VllmAdapter):
     def _record_complete_load(self, result: Any, keys: Any, context: Any) -> None:
         for key in keys:
             self.pins[key] -= 1
-        self.step_record.completed_loads.append(self._completed_job(False, keys))
+        self.step_record.completed_loads.append(self._completed_job(self.loads_in_flight, "load", keys))
 
     def _record_complete_store(self, result: Any, keys: Any, *args: Any, **kwargs: Any) -> None:
         """Record a store job's completion, found by its keys: its request is not an argument up to 0.24."""
-        self.step_record.completed_stores.append(self._completed_job(True, keys))
-        self.store_jobs_by_id = {job_id: job for job_id, job in self.store_jobs_by_id.items() if job[0] != frozenset(keys)}
+        self.step_record.completed_stores.append(self._completed_job(self.stores_in_flight, "store", keys))
+        self.store_jobs_by_id = {job_id: job for job_id, job in self.store_jobs_by_id.items()
+                                 if job[0] != frozenset(keys)}
 
-    def _completed_job(self, is_store: bool, keys: Any) -> LoadJob | StoreJob:
-        """Return, and forget, the oldest load or store in flight with these keys; vLLM completing a job with keys that
-        no job in flight has (reported twice, or never created) is a failure of the implementation (CONN-STEP-4)."""
-        waiting = self.jobs_in_flight_by_keys.get((is_store, frozenset(keys)))
+    def _completed_job(self, in_flight: dict[frozenset[bytes], list[Job]], kind: str, keys: Any) -> Job:
+        """Return, and forget, the oldest job `in_flight` with these keys; vLLM completing a job with keys that no
+        job in flight has (reported twice, or never created) is a failure of the implementation (CONN-STEP-4)."""
+        waiting = in_flight.get(frozenset(keys))
         if not waiting:
             refs = sorted((self.origin[key] for key in keys if key in self.origin), key=repr)
-            raise ImplementationFailure("CONN-STEP-4", f"the manager was asked to complete a "
-                                                       f"{'store' if is_store else 'load'} of {refs or 'unknown keys'} "
-                                                       "with no such job in flight")
+            raise ImplementationFailure("CONN-STEP-4", f"the manager was asked to complete a {kind} of "
+                                                       f"{refs or 'unknown keys'} with no such job in flight")
         job = waiting.pop(0)
         if not waiting:
-            del self.jobs_in_flight_by_keys[is_store, frozenset(keys)]
+            del in_flight[frozenset(keys)]
         return job
 
     def _forget_jobs_in_flight(self, result: Any) -> None:
         """A connector reset discards the jobs in flight, pins included: vLLM ignores their completions (OFF-MGR-8)."""
         self.pins.clear()
-        self.jobs_in_flight_by_keys.clear()
+        self.loads_in_flight.clear()
+        self.stores_in_flight.clear()
 
     def _record_prepare_store(self, result: Any, keys: Any, context: Any) -> None:
         request_id = context.req_id
@@ -191,13 +196,13 @@ class VllmOffloadingAdapter(VllmAdapter):
             load = LoadJob(request_id=job.req_id, offload_indices=self.indices(job.req_id, keys),
                            first_gpu_block=int(gpu.block_indices[0]), num_gpu_blocks=len(gpu.block_ids))
             record.loads.append(load)
-            self.jobs_in_flight_by_keys.setdefault((False, frozenset(keys)), []).append(load)
+            self.loads_in_flight.setdefault(frozenset(keys), []).append(load)
         for job_id, job in meta.store_jobs.items():
             _, cpu = job_specs(job)
             request_id, keys = record.prepared[id(cpu)]
             store = StoreJob(request_id=request_id, offload_indices=self.indices(request_id, keys))
             record.stores.append(store)
-            self.jobs_in_flight_by_keys.setdefault((True, frozenset(keys)), []).append(store)
+            self.stores_in_flight.setdefault(frozenset(keys), []).append(store)
             self.store_jobs_by_id[job_id] = (frozenset(keys), store)
         for job_id in sorted(getattr(meta, "jobs_to_flush", None) or ()):
             if job_id in self.store_jobs_by_id:
@@ -236,7 +241,8 @@ class VllmOffloadingAdapter(VllmAdapter):
         from vllm.v1.kv_offload.base import ReqContext
 
         context = ReqContext(req_id="kvconform-store-contents")
-        ready, storing = set(), set()
+        ready: set[BlockRef] = set()
+        storing: set[BlockRef] = set()
         for key, ref in self.origin.items():
             found = lookup_state(self.unrecorded_lookup(key, context))
             if found is not None:
@@ -279,7 +285,8 @@ class OffloadingSeam(TransferSeam):
     def capabilities(self) -> dict[str, Any]:
         """Return the capability fields the seam decides: vLLM's two policies, chunks of 1 – 3 GPU blocks, and failed
         transfers where the release can report them."""
-        return dict(eviction_policies=("lru", "arc"), block_size_factors=(1, 2, 3), transfer_failures=reports_failures())
+        return dict(eviction_policies=("lru", "arc"), block_size_factors=(1, 2, 3),
+                    transfer_failures=reports_failures())
 
     def store_slots(self, config: EngineConfig) -> int:
         return config.num_offload_blocks
@@ -306,9 +313,10 @@ class OffloadingSeam(TransferSeam):
         }
 
     def spec_built(self, spec: Any) -> None:
-        num_blocks = getattr(spec, "num_blocks", None) or getattr(spec, "num_chunks")
-        if num_blocks != self.adapter.config.num_offload_blocks:
-            raise RuntimeError(f"vLLM sized the CPU store at {num_blocks} blocks, not {self.adapter.config.num_offload_blocks}")
+        num_blocks = getattr(spec, "num_blocks", None) or spec.num_chunks
+        expected = self.adapter.config.num_offload_blocks
+        if num_blocks != expected:
+            raise RuntimeError(f"vLLM sized the CPU store at {num_blocks} blocks, not {expected}")
 
     def manager_built(self, manager: Any) -> None:
         if self.on_manager is not None:

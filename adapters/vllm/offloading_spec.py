@@ -23,7 +23,8 @@ from kvconform.adapters.vllm.transfers import Copy, HeldTransfers, store_rows
 class Session(Protocol):
     """What the adapter that built the engine offers the spec: its seam (`offloading.OffloadingSeam`)."""
 
-    transfers: HeldTransfers
+    @property
+    def transfers(self) -> HeldTransfers: ...
 
     def spec_built(self, spec: CPUOffloadingSpec) -> None: ...
 
@@ -92,11 +93,13 @@ if hasattr(base, "OffloadingWorker"):  # 0.32+
             return tuple((int(p) - self.base_pointer) // self.block_bytes for p in gpu.ptrs)
 
         def submit_store(self, job_id: int, device_ptrs: Any, dst_spec: Any) -> bool:
-            self.transfers.submit(job_id, copy_of(device_ptrs, dst_spec, self.factor, True, self.block_ids(device_ptrs)))
+            self.transfers.submit(job_id,
+                                  copy_of(device_ptrs, dst_spec, self.factor, True, self.block_ids(device_ptrs)))
             return True
 
         def submit_load(self, job_id: int, src_spec: Any, device_ptrs: Any, expedited: bool = False) -> bool:
-            self.transfers.submit(job_id, copy_of(device_ptrs, src_spec, self.factor, False, self.block_ids(device_ptrs)))
+            self.transfers.submit(job_id,
+                                  copy_of(device_ptrs, src_spec, self.factor, False, self.block_ids(device_ptrs)))
             return True
 
         def get_finished(self) -> list[Any]:

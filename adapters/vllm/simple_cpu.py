@@ -186,9 +186,9 @@ class VllmSimpleCPUAdapter(VllmAdapter):
             before = self.store_cursors()
             meta = original_build(scheduler_output)
             for request_id, cursor in self.store_cursors().items():
-                if cursor > before.get(request_id, 0):
-                    self.record["offers"].append(StoreJob(request_id=request_id,
-                                                          offload_indices=tuple(range(before.get(request_id, 0), cursor))))
+                offered = range(before.get(request_id, 0), cursor)
+                if offered:
+                    self.record["offers"].append(StoreJob(request_id=request_id, offload_indices=tuple(offered)))
             return meta
 
         self.manager.build_connector_meta = building
@@ -285,7 +285,7 @@ class VllmSimpleCPUAdapter(VllmAdapter):
         one queued at a finish. A finished request whose stores are in flight keeps its store state, block list
         included, but its blocks are free and may hold another request's by now: a finished request's blocks are
         those it held at its finish (`finished_blocks`), not that state's."""
-        owner = {}
+        owner: dict[int, BlockRef] = {}
         for offer in self.record["offers"]:
             blocks = self.live_blocks(offer.request_id) or self.finished_blocks[offer.request_id]
             for index in offer.offload_indices:

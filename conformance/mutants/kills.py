@@ -74,7 +74,6 @@ def kill_all(names: Iterable[str], profile: str, seed: int | None,
     for name in names:
         kills.append(kill(name, profile, seed))
         on_kill(kills[-1])
+    reference_failure = None if reference.passed else f"[{reference.failed_clause}] {reference.message}"
     return KillReport(kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), profile=profile,
-                      seed=seed, reference_passed=reference.passed,
-                      reference_failure=None if reference.passed else f"[{reference.failed_clause}] {reference.message}",
-                      kills=kills)
+                      seed=seed, reference_passed=reference.passed, reference_failure=reference_failure, kills=kills)
