@@ -107,7 +107,8 @@ class SimpleCPUSeam(TransferSeam):
         """Return the capability fields the seam decides: one CPU block per GPU block (no block_size_factor), one LRU
         free queue (no policy choice), and no way to report a failed transfer (the worker metadata only carries
         completed store events)."""
-        return dict(eviction_policies=("lru",), block_size_factors=(1,), transfer_failures=False)
+        return dict(eviction_policies=("lru",), block_size_factors=(1,), transfer_failures=False,
+                    harness_completes_transfers=True)
 
     def store_slots(self, config: EngineConfig) -> int:
         return config.num_offload_blocks + 1  # the CPU BlockPool keeps block 0 as its null block
