@@ -36,6 +36,12 @@ class ScheduleTrace:
     in_flight: bool = False
     """The latest step scheduled tokens: with async scheduling its output is still to be processed."""
     computed_tokens: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    """Steps judged so far; the step being judged is `steps + 1`."""
+    load_story: dict[str, str] = field(default_factory=dict)
+    """Each request's latest load, admission and report, in words, for the messages about its bytes (KVC-DATA-1)."""
+    preempted_at: dict[str, int] = field(default_factory=dict)
+    """The step of each request's latest preemption."""
 
 
 @dataclass
@@ -64,6 +70,21 @@ class ConnectorJudge:
 
     def preempt(self, request_id: str) -> None:
         self.trace.running.discard(request_id)
+        self.trace.preempted_at[request_id] = self.trace.steps
+
+    def admitted_loads(self, observation: StepObservation) -> set[str]:
+        """Return the requests whose asynchronous load the step admitted: answered with a load and left waiting with
+        the hit counted as computed. vLLM accepts its report from that very step on (`_update_from_kv_xfer_finished`)."""
+        return {answer.request_id for answer in observation.match_answers
+                if answer.load_async and answer.external_tokens and answer.external_tokens > 0
+                and observation.computed_tokens.get(answer.request_id) == answer.local_hit_tokens + answer.external_tokens}
+
+    def story(self, request_id: str) -> str:
+        """Return what led to a request's bytes: its latest load and the preemption before it, in words."""
+        parts = [self.trace.load_story[request_id]] if request_id in self.trace.load_story else ["no load"]
+        if request_id in self.trace.preempted_at:
+            parts.append(f"preempted in step {self.trace.preempted_at[request_id]}")
+        return "; ".join(parts)
 
     # --- where the requests are, as the adapter's own schedule has it (execution.EngineState) ----------------
 
@@ -96,20 +117,30 @@ class ConnectorJudge:
     def follow(self, observation: StepObservation) -> None:
         """Advance the trace and the KV history past a judged step."""
         trace = self.trace
+        trace.steps += 1
         finished = set(observation.finished)
         trace.unfinished -= finished
         trace.delayed = (trace.delayed | set(observation.free_delayed)) - set(observation.saves_finished)
-        trace.loading -= set(observation.loads_finished)
-        trace.loaded = set(observation.loads_finished) - set(observation.loads_failed)
         answers = {answer.request_id: answer for answer in observation.match_answers}  # each request's latest
+        admitted = self.admitted_loads(observation)
         for request_id, answer in answers.items():
             tokens = answer.external_tokens
             trace.loading.discard(request_id)
             trace.loads.pop(request_id, None)
             if tokens and tokens > 0:
                 trace.loads[request_id] = answer.local_hit_tokens + tokens
-                if answer.load_async and observation.computed_tokens.get(request_id) == trace.loads[request_id]:
-                    trace.loading.add(request_id)
+                trace.load_story[request_id] = (
+                    f"tokens {answer.local_hit_tokens}-{trace.loads[request_id]} loaded "
+                    + (f"asynchronously, admitted in step {trace.steps}" if request_id in admitted else
+                       f"synchronously in step {trace.steps}"))
+        for request_id in observation.preempted:
+            trace.preempted_at[request_id] = trace.steps
+        for request_id in observation.loads_finished:
+            if request_id in trace.load_story:
+                trace.load_story[request_id] += f", reported finished in step {trace.steps}"
+        # a load reported in the step that admitted it ends there too: the admission comes first
+        trace.loading = (trace.loading | admitted) - set(observation.loads_finished)
+        trace.loaded = set(observation.loads_finished) - set(observation.loads_failed)
         for request_id, num_new in observation.scheduled_tokens.items():
             self.history.record_computed(request_id, self._start_of_step(answers.get(request_id), request_id) + num_new)
         for request_id in trace.loaded & observation.computed_tokens.keys():
@@ -175,7 +206,7 @@ def check_hits_were_computed(judge: ConnectorJudge, observation: StepObservation
 @check("KVC-ASYNC-1", kind="connector")
 def check_async_loads(judge: ConnectorJudge, observation: StepObservation) -> None:
     """Each admitted asynchronous load is reported finished exactly once, before its request runs."""
-    loading = judge.trace.loading
+    loading = judge.trace.loading | judge.admitted_loads(observation)  # vLLM accepts a report in the admitting step
     for request_id in observation.loads_finished:
         judge.exercise("KVC-ASYNC-1")
         if request_id not in loading:
@@ -235,25 +266,27 @@ def check_resident_bytes(judge: ConnectorJudge, request_id: str, kv: torch.Tenso
         wrong = ((kv != expected).any(dim=1).nonzero().flatten().tolist() if kv.shape == expected.shape
                  else f"all (shape {tuple(kv.shape)}, expected {tuple(expected.shape)})")
         raise ClauseViolation("KVC-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong} are not "
-                                            "what the engine computed for that prefix in the request's tenant")
+                                            "what the engine computed for that prefix in the request's tenant (step "
+                                            f"{judge.trace.steps}; {judge.story(request_id)})")
 
 
 # --- once the engine is drained --------------------------------------------------------------------------
 
 
 @check("KVC-ASYNC-1", "KVC-LIVE-1", "KVC-LEAK-1", kind="connector-drain")
-def check_connector_drained(judge: ConnectorJudge, usage: ResourceUsage, steps: int) -> None:
-    """Once transfers complete, every load is reported, every request finished, nothing held."""
+def check_connector_drained(judge: ConnectorJudge, usage: ResourceUsage, waited: str) -> None:
+    """Once transfers may complete, every load is reported, every request finished, nothing held; `waited` says how
+    long the drain waited for it."""
     judge.exercise("KVC-LIVE-1")
     judge.exercise("KVC-LEAK-1")
     if judge.trace.loading:
         raise ClauseViolation("KVC-ASYNC-1", f"the loads of {sorted(judge.trace.loading)} were never reported finished "
-                                             f"after {steps} drain steps with every transfer completed")
+                                             f"after {waited}")
     if usage.unfinished_requests or judge.trace.unfinished:
         raise ClauseViolation("KVC-LIVE-1", f"request(s) {sorted(judge.trace.unfinished)} still unfinished after "
-                                            f"{steps} drain steps with every transfer completed")
+                                            f"{waited}")
     leaks = {name: value for name, value in usage.model_dump().items() if value}
     if judge.trace.delayed:
         leaks["delayed_frees"] = sorted(judge.trace.delayed)
     if leaks:
-        raise ClauseViolation("KVC-LEAK-1", f"engine idle but still holds {leaks}")
+        raise ClauseViolation("KVC-LEAK-1", f"engine idle but still holds {leaks} after {waited}")

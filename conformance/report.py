@@ -83,6 +83,9 @@ class RunReport(BaseModel):
     profile: str = Field(description="the Hypothesis profile: ci, dev or thorough")
     seed: int | None = Field(description="the --seed given, or None")
     scheduling: Scheduling = Field(description="the scheduling modes drawn from")
+    drain_timeout: float | None = Field(None, description="seconds a drain waited at most for a connector on its own "
+                                                          "clock to go idle (--drain-timeout); None where the harness "
+                                                          "completes the adapter's transfers")
     levels: list[SpecLevel] = Field(description="the spec levels the run judged: the connector level on the adapter's "
                                                 "own schedule, the offloading level against the reference engine")
     certified_levels: list[SpecLevel] = Field(description="the judged levels at which every run-time MUST clause "
@@ -120,6 +123,7 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
         seed=result.seed, scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],
+        drain_timeout=None if capabilities.harness_completes_transfers else result.drain_timeout,
         passed=result.passed, outcome=result.outcome,
         seconds=round(result.seconds, 3),
         found_after=None if result.found_after is None else round(result.found_after, 3), examples=result.examples,

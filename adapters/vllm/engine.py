@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.transfers import HeldTransfers, KVTensors
@@ -485,12 +484,25 @@ class VllmAdapter(KVConnectorAdapter):
         0.32+; the way 0.34's OffloadingConnector reports them)."""
         if output is None:
             return
+        self._check_loads_in_flight(sorted(getattr(output, "finished_recving", None) or ()))
         self.trace.loads_finished += sorted(getattr(output, "finished_recving", None) or ())
         self.trace.saves_finished += sorted(getattr(output, "finished_sending", None) or ())
         failed_blocks = set(getattr(output, "invalid_block_ids", None) or ())
         self.trace.loads_failed += sorted(set(getattr(output, "failed_recving", None) or ()) | {
             request_id for request_id, request in self.scheduler.requests.items()
             if not request.is_finished() and failed_blocks & set(self.block_ids(request_id))})
+
+    def _check_loads_in_flight(self, finished_recving: list[str]) -> None:
+        """Refuse a finished load of a request vLLM is not waiting for (KVC-ASYNC-1) before vLLM's scheduler sees it:
+        `_update_from_kv_xfer_finished` would fail a bare assertion on it."""
+        status = self.rt.request.RequestStatus
+        for request_id in finished_recving:
+            request = self.scheduler.requests.get(request_id)
+            if request is None or not (request.status == status.WAITING_FOR_REMOTE_KVS or request.is_finished()):
+                where = "gone" if request is None else f"{request.status.name}, not WAITING_FOR_REMOTE_KVS"
+                raise ImplementationFailure("KVC-ASYNC-1", f"get_finished reported the load of request {request_id!r} "
+                                                           f"finished, but no load of it is in flight (the request is "
+                                                           f"{where}): reported twice, or never started")
 
     def _record_promotion(self, result: Any, request: Any) -> None:
         """Record a waiting request whose finished load the scheduler takes up, after the answers given so far."""
