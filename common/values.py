@@ -111,6 +111,10 @@ class StepObservation(_Frozen):
     scheduled_tokens: dict[str, NonNegativeInt] = Field(description="tokens scheduled for each request in this step (SCHED-STEP-2)")
     computed_tokens: dict[str, NonNegativeInt] = Field(description="num_computed_tokens of every unfinished request after the step")
     match_answers: tuple[MatchAnswer, ...] = Field((), description="every get_num_new_matched_tokens call of the step, in order")
+    masked_answers: tuple[MatchAnswer, ...] = Field((), description="the answers of `match_answers` that the engine's "
+                                                                    "scheduler replaced before using them, as the "
+                                                                    "connector gave them (a skip-read request's, on a "
+                                                                    "release that answers it itself)")
     lookups: dict[str, tuple[NonNegativeInt, ...]] = Field(default_factory=dict, description="offloaded block indices looked up, in order")
     loads: tuple[LoadJob, ...] = Field((), description="load jobs created in this step (CONN-ALLOC-1)")
     store_offers: tuple[StoreJob, ...] = Field((), description="blocks offered to prepare_store, per request (OFF-STORE-1)")

@@ -50,6 +50,9 @@ class ConnectorJudge:
 
     config: EngineConfig
     exercised: dict[str, int]
+    findings: dict[str, str] = field(default_factory=dict)
+    """Faults of answers the engine's scheduler replaced before using them, by clause: masked on this release, they
+    fail where the scheduler takes the connector's answer as given (`check_masked_answers`)."""
     requests: dict[str, RequestSpec] = field(default_factory=dict)
     history: KVHistory = field(default_factory=KVHistory)
     trace: ScheduleTrace = field(default_factory=ScheduleTrace)
@@ -160,31 +163,61 @@ class ConnectorJudge:
 # --- each step's answers and reports ---------------------------------------------------------------
 
 
+def answer_fault(judge: ConnectorJudge, answer: MatchAnswer) -> ClauseViolation | None:
+    """Return what is wrong with an answer by itself: out of range (KVC-MATCH-1), or offered to a request that must
+    not read cached KV (KVC-SKIP-1)."""
+    tokens, request_id = answer.external_tokens, answer.request_id
+    if tokens is None:
+        return None
+    bound = judge.history.requests[request_id].max_kv_tokens
+    if tokens < 0 or answer.local_hit_tokens + tokens > bound or (answer.load_async and not tokens):
+        return ClauseViolation("KVC-MATCH-1", f"request {request_id!r}: answered ({tokens}, {answer.load_async}) after "
+                                              f"a local hit of {answer.local_hit_tokens}; the request has at most "
+                                              f"{bound} tokens with KV")
+    if judge.requests[request_id].skip_reading_prefix_cache and (tokens or answer.load_async):
+        return ClauseViolation("KVC-SKIP-1", f"request {request_id!r} must not read cached KV, yet the connector "
+                                             f"answered ({tokens}, {answer.load_async})")
+    return None
+
+
+def record_masked(judge: ConnectorJudge, fault: ClauseViolation) -> None:
+    """Keep the fault of an answer the engine's scheduler replaced before using it as a finding, not a failure: this
+    release masks it; a release that takes the connector's answer as given fails it (vLLM 0.23, 0.24 for a skip-read
+    request)."""
+    judge.findings.setdefault(fault.clause, f"{fault.detail}; masked by this release's scheduler, which replaced the "
+                                            "answer before using it; it fails on releases that take the connector's "
+                                            "answer as given (vLLM 0.23, 0.24)")
+
+
 @check("KVC-MATCH-1", kind="connector")
 def check_answer_range(judge: ConnectorJudge, observation: StepObservation) -> None:
-    """Every answer is None or a non-negative count within the request's tokens, asynchronous only when not 0."""
+    """Every answer is None or a non-negative count within the request's tokens, asynchronous only when not 0; one the
+    scheduler replaced is judged as the connector gave it, a finding (`record_masked`)."""
     for answer in observation.match_answers:
         judge.exercise("KVC-MATCH-1")
-        tokens, request_id = answer.external_tokens, answer.request_id
-        if tokens is None:
-            continue
-        bound = judge.history.requests[request_id].max_kv_tokens
-        if tokens < 0 or answer.local_hit_tokens + tokens > bound or (answer.load_async and not tokens):
-            raise ClauseViolation("KVC-MATCH-1", f"request {request_id!r}: answered ({tokens}, {answer.load_async}) "
-                                                 f"after a local hit of {answer.local_hit_tokens}; the request has at "
-                                                 f"most {bound} tokens with KV")
+        fault = answer_fault(judge, answer)
+        if fault is not None and fault.clause == "KVC-MATCH-1":
+            raise fault
+    for answer in observation.masked_answers:
+        fault = answer_fault(judge, answer)
+        if fault is not None and fault.clause == "KVC-MATCH-1":
+            record_masked(judge, fault)
 
 
 @check("KVC-SKIP-1", kind="connector")
 def check_skip_read_black_box(judge: ConnectorJudge, observation: StepObservation) -> None:
-    """A request that must not read cached KV gets no external tokens and so no load."""
+    """A request that must not read cached KV gets no external tokens and so no load; an answer the scheduler replaced
+    is judged as the connector gave it, a finding (`record_masked`)."""
     for answer in observation.match_answers:
-        if not judge.requests[answer.request_id].skip_reading_prefix_cache:
-            continue
-        judge.exercise("KVC-SKIP-1")
-        if answer.external_tokens or answer.load_async:
-            raise ClauseViolation("KVC-SKIP-1", f"request {answer.request_id!r} must not read cached KV, yet the "
-                                                f"connector answered ({answer.external_tokens}, {answer.load_async})")
+        if judge.requests[answer.request_id].skip_reading_prefix_cache:
+            judge.exercise("KVC-SKIP-1")
+            fault = answer_fault(judge, answer)
+            if fault is not None and fault.clause == "KVC-SKIP-1":
+                raise fault
+    for answer in observation.masked_answers:
+        fault = answer_fault(judge, answer)
+        if fault is not None and fault.clause == "KVC-SKIP-1":
+            record_masked(judge, fault)
 
 
 @check("KVC-HIT-1", kind="connector")

@@ -114,6 +114,8 @@ class Session:
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     """Seconds a drain waits for a connector on its own clock to go idle (`DEFAULT_DRAIN_TIMEOUT`)."""
     coverage: dict[str, int] = field(default_factory=dict)
+    findings: dict[str, str] = field(default_factory=dict)
+    """Faults the engine's scheduler masked, by clause (`connector_level.check_masked_answers`): reported, not failed."""
     examples: int = 0
     failing_example: int | None = None
     """The example, counted from 1, in which a clause first failed."""
@@ -240,7 +242,7 @@ class Execution:
             raise
 
     def _start(self, config) -> None:
-        self.connector_judge = self.state = ConnectorJudge(config, self.coverage)
+        self.connector_judge = self.state = ConnectorJudge(config, self.coverage, self.session.findings)
         if self.oracle is not None:
             self.expect("start", config)
             self.ctx = Context(config, self.connector_judge.requests, self.oracle.engine, exercised=self.coverage)

@@ -83,6 +83,10 @@ class RunReport(BaseModel):
     profile: str = Field(description="the Hypothesis profile: ci, dev or thorough")
     seed: int | None = Field(description="the --seed given, or None")
     scheduling: Scheduling = Field(description="the scheduling modes drawn from")
+    findings: dict[str, str] = Field({}, description="clause -> a fault of the connector's own answer that this release's "
+                                                     "scheduler masked (replaced the answer before using it): not a "
+                                                     "failure here, a failure on releases that take the answer as "
+                                                     "given")
     drain_timeout: float | None = Field(None, description="seconds a drain waited at most for a connector on its own "
                                                           "clock to go idle (--drain-timeout); None where the harness "
                                                           "completes the adapter's transfers")
@@ -124,6 +128,7 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
         seed=result.seed, scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],
         drain_timeout=None if capabilities.harness_completes_transfers else result.drain_timeout,
+        findings=dict(result.findings),
         passed=result.passed, outcome=result.outcome,
         seconds=round(result.seconds, 3),
         found_after=None if result.found_after is None else round(result.found_after, 3), examples=result.examples,
@@ -196,6 +201,7 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
         seconds=max(part.seconds for part in parts), examples=sum(part.examples for part in parts),
         rules=sum(part.rules for part in parts), steps=sum(part.steps for part in parts),
         steps_after_known_failure=sum(part.steps_after_known_failure for part in parts), **failure,
+        findings={clause: finding for part in reversed(parts) for clause, finding in part.findings.items()},
         clauses=clauses, run_time_coverage=run_time_coverage(clauses, first.levels),
         shards=[ShardResult(index=index, seed=part.seed, examples=part.examples, rules=part.rules, steps=part.steps,
                             seconds=part.seconds, outcome=part.outcome, failed_clause=part.failed_clause,

@@ -61,6 +61,8 @@ class RunResult:
     """The spec levels the run judged: those the adapter reports (`Capabilities.levels`)."""
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     """Seconds a drain waited at most for a connector on its own clock to go idle."""
+    findings: dict[str, str] = field(default_factory=dict)
+    """Faults of answers the release's scheduler replaced before using them, by clause: they fail on other releases."""
 
     @property
     def outcome(self) -> Outcome:
@@ -100,7 +102,7 @@ def run(
     settings = profile_settings(profile, seed is not None, database, shard.examples(PROFILES[profile].max_examples))
     started = time.perf_counter()
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
-                       coverage=session.coverage, drain_timeout=drain_timeout)
+                       coverage=session.coverage, drain_timeout=drain_timeout, findings=session.findings)
     try:
         # Hypothesis reports nothing: the result reports the call program
         with reporting.with_reporter(lambda text: None), programs_from_seed_alone(), hang_detection():

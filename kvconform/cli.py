@@ -152,6 +152,8 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print(table)
     if not verbose:
         console.print("(--verbose lists every clause)")
+    for clause, finding in run_report.findings.items():
+        console.print(f"[yellow]masked[/] {clause}: {finding}", soft_wrap=True)
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}")
     if run_report.outcome == "ok":

@@ -13,7 +13,9 @@ with the worker-side connector called in the order of vLLM's model runner.
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +46,7 @@ class StepTrace:
     preempted: set[str] = field(default_factory=set)
     promoted: dict[str, int] = field(default_factory=dict)
     match_answers: list[MatchAnswer] = field(default_factory=list)
+    masked_answers: list[MatchAnswer] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
     forward_writes: set[int] = field(default_factory=set)
@@ -164,6 +167,21 @@ class ActiveConnectorGlue(MixinGlue):
             self.layerwise(forward)
         self.active.finish_forward()
         return self.active.post_forward(scheduler_output.finished_req_ids)
+
+
+SKIP_READ_REPLACEMENT = re.compile(r"get_num_new_matched_tokens\([^)]*\)\s*\)?\s*\n\s*if (?P<condition>[^\n]+):\s*\n"
+                                  r"\s*ext_tokens, load_kv_async = 0, False")
+"""How a release's `Scheduler.schedule` replaces a connector's answer itself, right after asking for it (0.34:
+`if request.skip_reading_external_kv: ext_tokens, load_kv_async = 0, False`; 0.33 names another attribute)."""
+
+
+@functools.cache
+def skip_read_condition(scheduler_class: type) -> Any:
+    """Return the compiled condition under which the release's scheduler replaces a connector's answer by (0, False),
+    read from the code it runs, or None where it takes every answer as given (0.23, 0.24): the behaviour, never the
+    version, decides how the answer the scheduler took is recorded (KVC-SKIP-1)."""
+    match = SKIP_READ_REPLACEMENT.search(inspect.getsource(scheduler_class.schedule))
+    return None if match is None else compile(match["condition"], "<Scheduler.schedule>", "eval")
 
 
 def runner_glue(rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: dict[str, torch.Tensor]) -> MixinGlue:
@@ -468,11 +486,19 @@ class VllmAdapter(KVConnectorAdapter):
     # --- recording -----------------------------------------------------------------------------
 
     def _record_match(self, result: tuple[int | None, bool], request: Any, num_computed_tokens: int) -> None:
-        """Record the answer as the scheduler takes it: vLLM 0.34 replaces a request's answer by (0, False) when the
-        request must not read external KV (`skip_reading_external_kv`, scheduler.py), whatever the connector said."""
-        tokens, load_async = (0, False) if getattr(request, "skip_reading_external_kv", False) else result
-        self.trace.match_answers.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
-                                                    external_tokens=tokens, load_async=load_async))
+        """Record the answer as the scheduler takes it, and the connector's own where the scheduler replaces it: a
+        release may answer a request that must not read external KV itself (`skip_read_replaced`)."""
+        taken = (0, False) if self.skip_read_replaced(request) else tuple(result)
+        answers = [self.trace.match_answers] + [self.trace.masked_answers] * (taken != tuple(result))
+        for answer, recorded in zip((taken, result), answers):
+            recorded.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
+                                        external_tokens=answer[0], load_async=answer[1]))
+
+    def skip_read_replaced(self, request: Any) -> bool:
+        """Return whether the release's scheduler replaces this request's answer by (0, False) itself, as its own
+        `schedule` says right after asking the connector (`skip_read_condition`)."""
+        condition = skip_read_condition(type(self.scheduler))
+        return condition is not None and bool(eval(condition, {}, {"request": request, "self": self.scheduler}))
 
     def _record_finish_answer(self, result: tuple[bool, Any], request: Any, *args: Any) -> None:
         if result[0]:
@@ -518,7 +544,7 @@ class VllmAdapter(KVConnectorAdapter):
             scheduled_tokens=trace.scheduled_tokens,
             computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items() if not q.is_finished()},
             preempted=tuple(sorted(trace.preempted)), promoted=dict(trace.promoted),
-            match_answers=tuple(trace.match_answers),
+            match_answers=tuple(trace.match_answers), masked_answers=tuple(trace.masked_answers),
             finished=tuple(trace.finished), freed=tuple(trace.freed),
             forward_writes=frozenset(trace.forward_writes), store_reads_in_flight=frozenset(trace.store_reads_in_flight),
             loads_finished=tuple(trace.loads_finished), loads_failed=tuple(trace.loads_failed),
