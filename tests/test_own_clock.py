@@ -5,11 +5,15 @@ through `vllm-connector` (marked `vllm`)."""
 from __future__ import annotations
 
 import itertools
+import sys
 import time
+from collections.abc import Callable
 
 import pytest
 from click.testing import CliRunner
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.adapters.registry import AdapterNotFound
+from kvconform.adapters.vllm import runtime
 from kvconform.common.values import (
     Capabilities,
     EngineConfig,
@@ -20,7 +24,7 @@ from kvconform.common.values import (
 )
 from kvconform.conformance import options, runner
 from kvconform.conformance.connector_level import ConnectorJudge, check_async_loads
-from kvconform.conformance.execution import Call, Session, replay
+from kvconform.conformance.execution import Call, Execution, Session, replay
 from kvconform.conformance.mutants import black_box
 
 from kvconform.cli import main
@@ -142,3 +146,124 @@ def test_a_drain_timeout_that_is_not_a_positive_number_is_one_line_exit_2(value:
 def test_the_drain_deadline_is_in_the_report_of_a_connector_on_its_own_clock() -> None:
     run = options.prepare(f"{__name__}:WallClockReference", profile="smoke", drain_timeout="2.5")
     assert run.drain_timeout == 2.5
+
+
+# --- module:Class from the current directory ----------------------------------------------------
+
+
+def test_an_unknown_connector_module_is_refused_before_vllm_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vendor's first hour: `--connector mymod:Class` that names no module fails at once, not after vLLM's import."""
+    from kvconform.adapters.vllm.connector import VllmConnectorAdapter
+
+    monkeypatch.setattr(runtime, "load", lambda: pytest.fail("vLLM was imported"))
+    monkeypatch.setenv("KVCONFORM_CONNECTOR", "no_such_connector_module:Connector")
+    with pytest.raises(AdapterNotFound, match="no_such_connector_module.*current directory"):
+        VllmConnectorAdapter()
+
+
+def test_a_connector_module_resolves_from_the_current_directory(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from kvconform.adapters.vllm.connector import _find_module
+
+    (tmp_path / "vendor_connector_here.py").write_text("class Connector: ...\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    _find_module("vendor_connector_here")
+    assert str(tmp_path) in sys.path
+
+
+# --- the own-clock double through vllm-connector (issue 22) ---------------------------------------
+
+VLLM = runtime.installed_version()
+needs_vllm = pytest.mark.skipif(VLLM is None, reason="vLLM is not installed: kvconform install-vllm 0.24.0")
+DOUBLE = "tests.own_clock_connector"
+
+
+@pytest.fixture
+def own_clock(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], type]:
+    """Return `vllm-connector` with the double's class `name` selected, as `--connector` selects it."""
+
+    def select(name: str) -> type:
+        monkeypatch.setenv("KVCONFORM_CONNECTOR", f"{DOUBLE}:{name}")
+        for variable in ("KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST"):
+            monkeypatch.delenv(variable, raising=False)
+        from kvconform.adapters.vllm.connector import VllmConnectorAdapter
+
+        return VllmConnectorAdapter
+
+    return select
+
+
+def reload_after_reset(skip_read: bool = False, async_scheduling: bool = False) -> list[Call]:
+    """A prompt saved, the local prefix cache reset, the same prompt again, maybe one that must not read it."""
+    return [Call("start", (EngineConfig(block_size_factor=1, num_offload_blocks=32, async_scheduling=async_scheduling),)),
+            Call("add_request", (RequestSpec(request_id="r0", prompt=PROMPT),)), Call("drain"),
+            Call("reset_prefix_cache", (False,)),
+            Call("add_request", (RequestSpec(request_id="r1", prompt=PROMPT, skip_reading_prefix_cache=skip_read),)),
+            Call("drain")]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_load_reported_twice_is_kvc_async_1_before_vllms_assertion(own_clock: Callable[[str], type]) -> None:
+    """Issue 22 item 6: the double report is the connector's fault, named by its clause, not vLLM's bare
+    AssertionError under CONF-CALL-1."""
+    violation = replay(Session(own_clock("ReportsLoadTwice")), reload_after_reset()).violation
+    assert violation is not None and violation.clause == "KVC-ASYNC-1", violation
+    assert "no load of it is in flight" in violation.detail
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_skip_read_answer_the_scheduler_replaces_is_a_finding_not_a_failure(own_clock: Callable[[str], type]) -> None:
+    """Item 5, issue 24: where the release's scheduler answers a skip-read request itself (found in its code), the
+    connector's own answer is a finding; where it trusts the connector, the same answer fails KVC-SKIP-1."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvconform.adapters.vllm.engine import skip_read_condition
+
+    session = Session(own_clock("IgnoresSkipRead"))
+    violation = replay(session, reload_after_reset(skip_read=True)).violation
+    if skip_read_condition(Scheduler) is None:
+        assert violation is not None and violation.clause == "KVC-SKIP-1", violation
+    else:
+        assert violation is None, violation
+        assert "masked by this release's scheduler" in session.findings["KVC-SKIP-1"]
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_double_reloads_what_it_saved_on_its_own_clock(own_clock: Callable[[str], type],
+                                                           async_scheduling: bool) -> None:
+    """The correct double: a saved prompt comes back through an asynchronous load its thread reports, bytes right."""
+    execution = Execution(Session(own_clock("OwnClockConnector")))
+    execution.begin()
+    for call in reload_after_reset(async_scheduling=async_scheduling):
+        execution.apply(call)
+    execution.close()
+    assert execution.coverage["KVC-ASYNC-1"] >= 1 and execution.coverage["KVC-DATA-1"] >= 1
+
+
+@pytest.mark.long
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_the_own_clock_double_conforms(own_clock: Callable[[str], type], scheduling: str) -> None:
+    """A correct connector with threads passes, in either scheduling mode, with no failure at all."""
+    result = runner.run(own_clock("OwnClockConnector"), "own-clock", "ci", scheduling=scheduling)
+    assert result.passed, f"[{result.failed_clause}] {result.message}\n{result.counterexample}"
+    assert {"KVC-ASYNC-1", "KVC-DATA-1", "KVC-HIT-1", "KVC-FREE-1"} <= set(result.coverage)
+
+
+TWINS = {"ReportsLoadTwice": ("KVC-ASYNC-1",), "ReportsLoadBeforeCopy": ("KVC-DATA-1",),
+         "TenantBlindKey": ("KVC-HIT-1", "KVC-DATA-1"), "AnswersPastThePrompt": ("KVC-MATCH-1",)}
+"""The double's twins and the clauses that kill them; IgnoresSkipRead has a test of its own (masked on 0.34)."""
+
+
+@pytest.mark.long
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_a_twin_of_the_double_is_killed_by_its_clause(own_clock: Callable[[str], type], twin: str) -> None:
+    result = runner.run(own_clock(twin), twin, "ci")
+    assert result.failed_clause in TWINS[twin], f"{twin}: [{result.failed_clause}] {result.message}"

@@ -1,18 +1,21 @@
 """`vllm-connector`: any vLLM `KVConnectorBase_V1`, judged at the connector level with no code of the vendor's.
 
 The connector is named by `KVCONFORM_CONNECTOR` — a name vLLM's `KVConnectorFactory` knows (`ExampleConnector`,
-`OffloadingConnector`, …) or `module:Class` — with its `kv_connector_extra_config` as JSON in
+`OffloadingConnector`, …) or `module:Class`, the module found from the current directory too and refused before
+vLLM is imported when it is nowhere — with its `kv_connector_extra_config` as JSON in
 `KVCONFORM_CONNECTOR_CONFIG`; `kvconform run --connector … --connector-config …` and the pytest plugin's
 `--kv-connector …` set them. Both roles run in this process around a real vLLM scheduler (`engine.VllmAdapter`),
 and the model runner glue calls the connector as vLLM's attention layers do, layer by layer. What the connector
 claims (`KVCONFORM_CONNECTOR_MANIFEST`, a JSON object of `Capabilities` fields) defaults to what any connector
 inside vLLM can be asked: async scheduling, aborts, no failure injection, no connector reset, no preemption from
-outside. Only the connector level's observations are reported: the connector is a black box.
+outside. Only the connector level's observations are reported: the connector is a black box, on its own clock:
+its transfers finish when its threads finish them (`Capabilities.harness_completes_transfers` False), and the kit
+steps the engine until it is idle or a deadline passes.
 
 vLLM's own CPU offloading connectors copy with CUDA kernels on their worker side. Named by their factory name,
 `OffloadingConnector` and `SimpleCPUOffloadConnector` get the CPU transfer seam of their white-box adapters (`SEAMS`):
 vLLM's code throughout, the kit's torch copies in place of the kernels, transfers finishing when the harness completes
-them; `LMCacheConnectorV1` gets a torch copy for LMCache (`lmcache.py`). The seam's extra config comes first and
+them (the deterministic mode, `harness_completes_transfers`); `LMCacheConnectorV1` gets a torch copy for LMCache (`lmcache.py`). The seam's extra config comes first and
 `KVCONFORM_CONNECTOR_CONFIG` overrides any field of it.
 """
 

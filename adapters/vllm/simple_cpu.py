@@ -106,7 +106,7 @@ class SimpleCPUSeam(TransferSeam):
     def capabilities(self) -> dict[str, Any]:
         """Return the capability fields the seam decides: one CPU block per GPU block (no block_size_factor), one LRU
         free queue (no policy choice), and no way to report a failed transfer (the worker metadata only carries
-        completed store events)."""
+        completed store events); the transfers it holds finish when the harness completes them."""
         return dict(eviction_policies=("lru",), block_size_factors=(1,), transfer_failures=False,
                     harness_completes_transfers=True)
 
