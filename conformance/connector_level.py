@@ -322,4 +322,4 @@ def check_connector_drained(judge: ConnectorJudge, usage: ResourceUsage, waited:
     if judge.trace.delayed:
         leaks["delayed_frees"] = sorted(judge.trace.delayed)
     if leaks:
-        raise ClauseViolation("KVC-LEAK-1", f"engine idle but still holds {leaks} after {waited}")
+        raise ClauseViolation("KVC-LEAK-1", f"the engine still holds {leaks} after {waited}")
