@@ -297,3 +297,11 @@ class IgnoresSkipRead(OwnClockConnector):
 
     def skips_read(self, request: Any) -> bool:
         return False
+
+
+class LoadThreadRaises(OwnClockConnector):
+    """Its store goes away under a load: the thread's error surfaces at the next `get_finished` (CONF-CALL-1, with the
+    thread's traceback)."""
+
+    def copy(self, load: Transfer) -> None:
+        raise OSError("the store server went away")

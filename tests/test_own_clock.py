@@ -214,6 +214,15 @@ def test_a_load_reported_twice_is_kvc_async_1_before_vllms_assertion(own_clock: 
 
 @pytest.mark.vllm
 @needs_vllm
+def test_a_connector_whose_thread_raises_fails_with_the_threads_traceback(own_clock: Callable[[str], type]) -> None:
+    """Bad input: the error of a transfer thread is reported under the clause of the call that observed it."""
+    violation = replay(Session(own_clock("LoadThreadRaises")), reload_after_reset()).violation
+    assert violation is not None and violation.clause == "CONF-CALL-1", violation
+    assert "OSError: the store server went away" in violation.adapter_traceback
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_a_skip_read_answer_the_scheduler_replaces_is_a_finding_not_a_failure(own_clock: Callable[[str], type]) -> None:
     """Item 5, issue 24: where the release's scheduler answers a skip-read request itself (found in its code), the
     connector's own answer is a finding; where it trusts the connector, the same answer fails KVC-SKIP-1."""
