@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 from click.testing import CliRunner
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.registry import AdapterNotFound
@@ -23,7 +24,8 @@ from kvconform.common.values import (
     TransferOutcome,
 )
 from kvconform.conformance import options, runner
-from kvconform.conformance.connector_level import ConnectorJudge, check_async_loads
+from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.connector_level import ConnectorJudge, check_async_loads, check_resident_bytes
 from kvconform.conformance.execution import Call, Execution, Session, replay
 from kvconform.conformance.mutants import black_box
 
@@ -276,3 +278,18 @@ TWINS = {"ReportsLoadTwice": ("KVC-ASYNC-1",), "ReportsLoadBeforeCopy": ("KVC-DA
 def test_a_twin_of_the_double_is_killed_by_its_clause(own_clock: Callable[[str], type], twin: str) -> None:
     result = runner.run(own_clock(twin), twin, "ci")
     assert result.failed_clause in TWINS[twin], f"{twin}: [{result.failed_clause}] {result.message}"
+
+
+def test_wrong_bytes_name_the_load_its_steps_and_the_preemption_before_it() -> None:
+    """Issue 22 item 6: KVC-DATA-1 says which load brought the bytes, when, and the preemption that led to it."""
+    judge = ConnectorJudge(EngineConfig(), {})
+    judge.add_request(RequestSpec(request_id="r", prompt=PROMPT))
+    judge.follow(StepObservation(scheduled_tokens={"r": 4}, computed_tokens={"r": 4}))
+    judge.follow(StepObservation(scheduled_tokens={}, computed_tokens={"r": 0}, preempted=("r",)))
+    judge.follow(StepObservation(scheduled_tokens={}, computed_tokens={"r": 8}, match_answers=(
+        MatchAnswer(request_id="r", local_hit_tokens=0, external_tokens=8, load_async=True),)))
+    judge.follow(StepObservation(scheduled_tokens={}, computed_tokens={"r": 8}, loads_finished=("r",)))
+    with pytest.raises(ClauseViolation) as raised:
+        check_resident_bytes(judge, "r", torch.zeros(8, EngineConfig().token_width, dtype=torch.float16))
+    assert ("step 4; tokens 0-8 loaded asynchronously, admitted in step 3, reported finished in step 4; "
+            "preempted in step 2") in raised.value.detail
