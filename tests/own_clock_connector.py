@@ -48,6 +48,8 @@ class Transfer:
 class OwnClockMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    freed_at_once: list[str] = field(default_factory=list)
+    """Finished requests with saves whose free was not delayed: their saves are not to be reported."""
 
 
 class Store:
@@ -85,6 +87,8 @@ class OwnClockConnector(KVConnectorBase_V1):
         self.block_ids: dict[str, list[int]] = {}
         self.saved_blocks: dict[str, int] = {}
         self.saving: set[str] = set()
+        self.loading: set[str] = set()
+        self.freed_at_once: list[str] = []
         self.new_loads: list[Transfer] = []
         # worker side
         self.layers: dict[str, torch.Tensor] = {}
@@ -92,6 +96,7 @@ class OwnClockConnector(KVConnectorBase_V1):
         self.loaded: list[str] = []
         self.saves_pending: dict[str, int] = {}
         self.finishing: set[str] = set()
+        self.not_delayed: set[str] = set()
         self.thread_error: BaseException | None = None
 
     # --- scheduler side ---------------------------------------------------------------------
@@ -128,13 +133,14 @@ class OwnClockConnector(KVConnectorBase_V1):
         if not num_external_tokens:
             return
         local = self.local_hits[request.request_id]
+        self.loading.add(request.request_id)
         first, end = local // self.block_size, (local + num_external_tokens) // self.block_size
         self.new_loads.append(Transfer(request.request_id, list(blocks.get_block_ids()[0][first:end]),
                                        self.keys(request, local + num_external_tokens)[first:end]))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        meta = OwnClockMetadata(loads=self.new_loads)
-        self.new_loads = []
+        meta = OwnClockMetadata(loads=self.new_loads, freed_at_once=self.freed_at_once)
+        self.new_loads, self.freed_at_once = [], []
         for new in scheduler_output.scheduled_new_reqs:
             self.block_ids[new.req_id] = list(new.block_ids[0])
             self.schedule_saves(meta, new.req_id, new.num_computed_tokens, scheduler_output)
@@ -163,12 +169,19 @@ class OwnClockConnector(KVConnectorBase_V1):
         self.saved_blocks[request_id] = end
         self.saving.add(request_id)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.loading -= set(connector_output.finished_recving or ())
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Delay the free of a request with saves: the worker ends it once it has written them all."""
+        """Delay the free of a request with saves: the worker ends it once it has written them all. Not while its load
+        is in flight: vLLM then frees the blocks when the load is reported, and a second report would find no
+        request (`Scheduler._update_from_kv_xfer_finished`); its saves' bytes were copied when they were made."""
         request_id = request.request_id
         for state in (self.requests, self.local_hits, self.block_ids, self.saved_blocks):
             state.pop(request_id, None)
-        delay = request_id in self.saving
+        delay = request_id in self.saving and request_id not in self.loading
+        if request_id in self.saving and not delay:
+            self.freed_at_once.append(request_id)
         self.saving.discard(request_id)
         return delay, None
 
@@ -180,8 +193,9 @@ class OwnClockConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, OwnClockMetadata)
-        for save in meta.saves:
-            with self.lock:
+        with self.lock:
+            self.not_delayed |= set(meta.freed_at_once)
+            for save in meta.saves:
                 self.saves_pending[save.request_id] = self.saves_pending.get(save.request_id, 0) + 1
         for load in meta.loads:
             if random.random() < 0.25:
@@ -208,7 +222,7 @@ class OwnClockConnector(KVConnectorBase_V1):
             if self.thread_error is not None:
                 raise RuntimeError("a transfer thread failed") from self.thread_error
             loaded, self.loaded = set(self.loaded), []
-            self.finishing |= {r for r in finished_req_ids if r in self.saves_pending}
+            self.finishing |= {r for r in finished_req_ids if r in self.saves_pending and r not in self.not_delayed}
             saved = {r for r in self.finishing if not self.saves_pending[r]}
             self.finishing -= saved
             for request_id in saved:
