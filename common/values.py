@@ -115,6 +115,10 @@ class StepObservation(_Frozen):
                                                                    "after the step")
     match_answers: tuple[MatchAnswer, ...] = Field((), description="every get_num_new_matched_tokens call of the step, "
                                                                    "in order")
+    masked_answers: tuple[MatchAnswer, ...] = Field((), description="the answers of `match_answers` that the engine's "
+                                                                    "scheduler replaced before using them, as the "
+                                                                    "connector gave them (a skip-read request's, on a "
+                                                                    "release that answers it itself)")
     lookups: dict[str, tuple[NonNegativeInt, ...]] = Field(default_factory=dict, description="offloaded block indices "
                                                                                              "looked up, in order")
     loads: tuple[LoadJob, ...] = Field((), description="load jobs created in this step (CONN-ALLOC-1)")
@@ -215,9 +219,11 @@ class Capabilities(_Frozen):
     restart_offers_on_lookup: tuple[bool, ...] = Field((False,), description="whether each lookup of a request makes "
                                                                                "it offer its blocks from the first one "
                                                                                "again (OFF-STORE-7)")
-    harness_completes_transfers: bool = Field(True, description="transfers in flight finish when the harness "
-                                                                 "completes them (complete_transfers()), not on the "
-                                                                 "connector's own clock")
+    harness_completes_transfers: bool = Field(True, description="transfers finish when the harness completes them "
+                                                                 "(a seam holds them), so the adapter is deterministic; "
+                                                                 "False for a connector on its own clock, whose threads "
+                                                                 "finish them: the harness steps it until idle or a "
+                                                                 "deadline (KVC-ASYNC-1, KVC-LIVE-1)")
     complete_in_step: bool = Field(False, description="step(complete_transfers=…) finishes the transfers in flight "
                                                       "inside the step, where the worker polls its jobs")
     levels: tuple[SpecLevel, ...] = Field(("connector", "offloading"), description="the spec levels whose "

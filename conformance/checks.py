@@ -23,6 +23,7 @@ from kvconform.common.values import (
     EngineConfig,
     LoadJob,
     RequestSpec,
+    ResourceUsage,
     StepObservation,
     StoreJob,
     StoreSnapshot,
@@ -634,13 +635,13 @@ def check_reset_answer(ctx: Context, ref: bool, sut: bool) -> None:
 
 
 @check("LIFE-LIVE-1", "LIFE-LEAK-1", kind="drain")
-def check_drained(ctx: Context, usage, steps: int) -> None:
+def check_drained(ctx: Context, usage: ResourceUsage, waited: str) -> None:
     """Once transfers complete and no request is left, nothing stays allocated, pinned or in flight."""
     ctx.exercise("LIFE-LEAK-1")
     ctx.exercise("LIFE-LIVE-1")
     if usage.unfinished_requests:
         raise ClauseViolation("LIFE-LIVE-1", f"{usage.unfinished_requests} request(s) still unfinished after "
-                                             f"{steps} drain steps with every transfer completed")
+                                             f"{waited}")
     leaks = {name: value for name, value in usage.model_dump().items() if value}
     if leaks:
         raise ClauseViolation("LIFE-LEAK-1", f"engine idle but still holds {leaks}")
@@ -689,12 +690,12 @@ def check_jobs_reported_once(ctx: Context, ref: StepObservation, sut: StepObserv
 
 
 @check("CONN-STEP-4", kind="drain")
-def check_jobs_all_reported(ctx: Context, usage, steps: int) -> None:
+def check_jobs_all_reported(ctx: Context, usage: ResourceUsage, waited: str) -> None:
     """Once drained, every job the adapter created has been reported finished (or discarded by a connector reset)."""
     ctx.exercise("CONN-STEP-4")
     if ctx.jobs_in_flight:
         unreported = "; ".join(map(_describe, sorted(ctx.jobs_in_flight)))
-        raise ClauseViolation("CONN-STEP-4", f"after {steps} drain steps with every transfer completed, never reported "
+        raise ClauseViolation("CONN-STEP-4", f"after {waited}, never reported "
                                              f"finished: {unreported}")
 
 

@@ -47,6 +47,12 @@ class ScheduleTrace:
     in_flight: bool = False
     """The latest step scheduled tokens: with async scheduling its output is still to be processed."""
     computed_tokens: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    """Steps judged so far; the step being judged is `steps + 1`."""
+    load_story: dict[str, str] = field(default_factory=dict)
+    """Each request's latest load, admission and report, in words, for the messages about its bytes (KVC-DATA-1)."""
+    preempted_at: dict[str, int] = field(default_factory=dict)
+    """The step of each request's latest preemption."""
 
 
 @dataclass
@@ -84,6 +90,21 @@ class ConnectorJudge:
 
     def preempt(self, request_id: str) -> None:
         self.trace.running.discard(request_id)
+        self.trace.preempted_at[request_id] = self.trace.steps
+
+    def admitted_loads(self, observation: StepObservation) -> set[str]:
+        """Return the requests whose asynchronous load the step admitted: answered with a load and left waiting with
+        the hit counted as computed. vLLM accepts its report from that very step on (`_update_from_kv_xfer_finished`)."""
+        return {answer.request_id for answer in observation.match_answers
+                if answer.load_async and answer.external_tokens and answer.external_tokens > 0
+                and observation.computed_tokens.get(answer.request_id) == answer.local_hit_tokens + answer.external_tokens}
+
+    def story(self, request_id: str) -> str:
+        """Return what led to a request's bytes: its latest load and the preemption before it, in words."""
+        parts = [self.trace.load_story[request_id]] if request_id in self.trace.load_story else ["no load"]
+        if request_id in self.trace.preempted_at:
+            parts.append(f"preempted in step {self.trace.preempted_at[request_id]}")
+        return "; ".join(parts)
 
     # --- the adapter's answers -------------------------------------------------------------------------------
 
@@ -100,9 +121,9 @@ class ConnectorJudge:
     def reset_answered(self, reset_connector: bool, answer: bool) -> None:
         """Nothing to judge: whether a prefix-cache reset may be refused is the offloading level's (PFX-RESET-1)."""
 
-    def drained(self, usage: ResourceUsage, steps: int) -> None:
+    def drained(self, usage: ResourceUsage, waited: str) -> None:
         """Judge the drained engine: every load reported, every request finished, nothing held."""
-        self.execution.judge("adapter.resource_usage()", "connector-drain", self, usage, steps)
+        self.execution.judge("adapter.resource_usage()", "connector-drain", self, usage, waited)
 
     # --- where the requests are, as the adapter's own schedule has it (execution.EngineState) ----------------
 
@@ -139,20 +160,30 @@ class ConnectorJudge:
     def follow(self, observation: StepObservation) -> None:
         """Advance the trace and the KV history past a judged step."""
         trace = self.trace
+        trace.steps += 1
         finished = set(observation.finished)
         trace.unfinished -= finished
         trace.delayed = (trace.delayed | set(observation.free_delayed)) - set(observation.saves_finished)
-        trace.loading -= set(observation.loads_finished)
-        trace.loaded = set(observation.loads_finished) - set(observation.loads_failed)
         answers = {answer.request_id: answer for answer in observation.match_answers}  # each request's latest
+        admitted = self.admitted_loads(observation)
         for request_id, answer in answers.items():
             tokens = answer.external_tokens
             trace.loading.discard(request_id)
             trace.loads.pop(request_id, None)
             if tokens and tokens > 0:
                 trace.loads[request_id] = answer.local_hit_tokens + tokens
-                if answer.load_async and observation.computed_tokens.get(request_id) == trace.loads[request_id]:
-                    trace.loading.add(request_id)
+                trace.load_story[request_id] = (
+                    f"tokens {answer.local_hit_tokens}-{trace.loads[request_id]} loaded "
+                    + (f"asynchronously, admitted in step {trace.steps}" if request_id in admitted else
+                       f"synchronously in step {trace.steps}"))
+        for request_id in observation.preempted:
+            trace.preempted_at[request_id] = trace.steps
+        for request_id in observation.loads_finished:
+            if request_id in trace.load_story:
+                trace.load_story[request_id] += f", reported finished in step {trace.steps}"
+        # a load reported in the step that admitted it ends there too: the admission comes first
+        trace.loading = (trace.loading | admitted) - set(observation.loads_finished)
+        trace.loaded = set(observation.loads_finished) - set(observation.loads_failed)
         for request_id, num_new in observation.scheduled_tokens.items():
             self.history.record_computed(request_id, self._start_of_step(answers.get(request_id), request_id) + num_new)
         for request_id in trace.loaded & observation.computed_tokens.keys():
@@ -172,31 +203,61 @@ class ConnectorJudge:
 # --- each step's answers and reports ---------------------------------------------------------------
 
 
+def answer_fault(judge: ConnectorJudge, answer: MatchAnswer) -> ClauseViolation | None:
+    """Return what is wrong with an answer by itself: out of range (KVC-MATCH-1), or offered to a request that must
+    not read cached KV (KVC-SKIP-1)."""
+    tokens, request_id = answer.external_tokens, answer.request_id
+    if tokens is None:
+        return None
+    bound = judge.history.requests[request_id].max_kv_tokens
+    if tokens < 0 or answer.local_hit_tokens + tokens > bound or (answer.load_async and not tokens):
+        return ClauseViolation("KVC-MATCH-1", f"request {request_id!r}: answered ({tokens}, {answer.load_async}) after "
+                                              f"a local hit of {answer.local_hit_tokens}; the request has at most "
+                                              f"{bound} tokens with KV")
+    if judge.requests[request_id].skip_reading_prefix_cache and (tokens or answer.load_async):
+        return ClauseViolation("KVC-SKIP-1", f"request {request_id!r} must not read cached KV, yet the connector "
+                                             f"answered ({tokens}, {answer.load_async})")
+    return None
+
+
+def record_masked(judge: ConnectorJudge, fault: ClauseViolation) -> None:
+    """Keep the fault of an answer the engine's scheduler replaced before using it as a finding, not a failure: this
+    release masks it; a release that takes the connector's answer as given fails it (vLLM 0.23, 0.24 for a skip-read
+    request)."""
+    judge.execution.session.findings.setdefault(fault.clause, f"{fault.detail}; masked by this release's scheduler, which replaced the "
+                                            "answer before using it; it fails on releases that take the connector's "
+                                            "answer as given (vLLM 0.23, 0.24)")
+
+
 @check("KVC-MATCH-1", kind="connector")
 def check_answer_range(judge: ConnectorJudge, observation: StepObservation) -> None:
-    """Every answer is None or a non-negative count within the request's tokens, asynchronous only when not 0."""
+    """Every answer is None or a non-negative count within the request's tokens, asynchronous only when not 0; one the
+    scheduler replaced is judged as the connector gave it, a finding (`record_masked`)."""
     for answer in observation.match_answers:
         judge.exercise("KVC-MATCH-1")
-        tokens, request_id = answer.external_tokens, answer.request_id
-        if tokens is None:
-            continue
-        bound = judge.history.requests[request_id].max_kv_tokens
-        if tokens < 0 or answer.local_hit_tokens + tokens > bound or (answer.load_async and not tokens):
-            raise ClauseViolation("KVC-MATCH-1", f"request {request_id!r}: answered ({tokens}, {answer.load_async}) "
-                                                 f"after a local hit of {answer.local_hit_tokens}; the request has at "
-                                                 f"most {bound} tokens with KV")
+        fault = answer_fault(judge, answer)
+        if fault is not None and fault.clause == "KVC-MATCH-1":
+            raise fault
+    for answer in observation.masked_answers:
+        fault = answer_fault(judge, answer)
+        if fault is not None and fault.clause == "KVC-MATCH-1":
+            record_masked(judge, fault)
 
 
 @check("KVC-SKIP-1", kind="connector")
 def check_skip_read_black_box(judge: ConnectorJudge, observation: StepObservation) -> None:
-    """A request that must not read cached KV gets no external tokens and so no load."""
+    """A request that must not read cached KV gets no external tokens and so no load; an answer the scheduler replaced
+    is judged as the connector gave it, a finding (`record_masked`)."""
     for answer in observation.match_answers:
-        if not judge.requests[answer.request_id].skip_reading_prefix_cache:
-            continue
-        judge.exercise("KVC-SKIP-1")
-        if answer.external_tokens or answer.load_async:
-            raise ClauseViolation("KVC-SKIP-1", f"request {answer.request_id!r} must not read cached KV, yet the "
-                                                f"connector answered ({answer.external_tokens}, {answer.load_async})")
+        if judge.requests[answer.request_id].skip_reading_prefix_cache:
+            judge.exercise("KVC-SKIP-1")
+            fault = answer_fault(judge, answer)
+            if fault is not None and fault.clause == "KVC-SKIP-1":
+                raise fault
+    for answer in observation.masked_answers:
+        fault = answer_fault(judge, answer)
+        if fault is not None and fault.clause == "KVC-SKIP-1":
+            record_masked(judge, fault)
 
 
 @check("KVC-HIT-1", kind="connector")
@@ -218,7 +279,7 @@ def check_hits_were_computed(judge: ConnectorJudge, observation: StepObservation
 @check("KVC-ASYNC-1", kind="connector")
 def check_async_loads(judge: ConnectorJudge, observation: StepObservation) -> None:
     """Each admitted asynchronous load is reported finished exactly once, before its request runs."""
-    loading = judge.trace.loading
+    loading = judge.trace.loading | judge.admitted_loads(observation)  # vLLM accepts a report in the admitting step
     for request_id in observation.loads_finished:
         judge.exercise("KVC-ASYNC-1")
         if request_id not in loading:
@@ -278,25 +339,27 @@ def check_resident_bytes(judge: ConnectorJudge, request_id: str, kv: torch.Tenso
         wrong = ((kv != expected).any(dim=1).nonzero().flatten().tolist() if kv.shape == expected.shape
                  else f"all (shape {tuple(kv.shape)}, expected {tuple(expected.shape)})")
         raise ClauseViolation("KVC-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong} are not "
-                                            "what the engine computed for that prefix in the request's tenant")
+                                            "what the engine computed for that prefix in the request's tenant (step "
+                                            f"{judge.trace.steps}; {judge.story(request_id)})")
 
 
 # --- once the engine is drained --------------------------------------------------------------------------
 
 
 @check("KVC-ASYNC-1", "KVC-LIVE-1", "KVC-LEAK-1", kind="connector-drain")
-def check_connector_drained(judge: ConnectorJudge, usage: ResourceUsage, steps: int) -> None:
-    """Once transfers complete, every load is reported, every request finished, nothing held."""
+def check_connector_drained(judge: ConnectorJudge, usage: ResourceUsage, waited: str) -> None:
+    """Once transfers may complete, every load is reported, every request finished, nothing held; `waited` says how
+    long the drain waited for it."""
     judge.exercise("KVC-LIVE-1")
     judge.exercise("KVC-LEAK-1")
     if judge.trace.loading:
         raise ClauseViolation("KVC-ASYNC-1", f"the loads of {sorted(judge.trace.loading)} were never reported finished "
-                                             f"after {steps} drain steps with every transfer completed")
+                                             f"after {waited}")
     if usage.unfinished_requests or judge.trace.unfinished:
         raise ClauseViolation("KVC-LIVE-1", f"request(s) {sorted(judge.trace.unfinished)} still unfinished after "
-                                            f"{steps} drain steps with every transfer completed")
+                                            f"{waited}")
     leaks = {name: value for name, value in usage.model_dump().items() if value}
     if judge.trace.delayed:
         leaks["delayed_frees"] = sorted(judge.trace.delayed)
     if leaks:
-        raise ClauseViolation("KVC-LEAK-1", f"engine idle but still holds {leaks}")
+        raise ClauseViolation("KVC-LEAK-1", f"the engine still holds {leaks} after {waited}")

@@ -40,7 +40,16 @@ from kvconform.reference.engine import Engine
 from kvconform.reference.errors import InvalidCall
 
 DRAIN_STEP_LIMIT = 64
-"""Steps a drain may take before the requests still unfinished count as stuck (LIFE-LIVE-1)."""
+"""Steps a drain may take, every transfer completed before each, before the requests still unfinished count as stuck
+(LIFE-LIVE-1, KVC-LIVE-1): the bound where the harness completes transfers (`Capabilities.harness_completes_transfers`)."""
+
+DEFAULT_DRAIN_TIMEOUT = 10.0
+"""Seconds a drain steps a connector on its own clock, as vLLM's engine core steps while requests wait for remote KV,
+before what is still unreported, unfinished or held counts as stuck (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1):
+`--drain-timeout`. Ample for a connector's in-process threads; raise it for a connector that waits on a remote store."""
+
+IDLE_STEP_PAUSE = 0.001
+"""Seconds a drain on the connector's clock waits after a step that scheduled nothing, leaving its threads the CPU."""
 
 Scheduling = Literal["sync", "async", "both"]
 """Which scheduling modes a run draws: sync only, async only, or both."""
@@ -89,8 +98,15 @@ class Session:
     on_example: Callable[[], None] | None = None
     reference: Callable[[EngineConfig], Engine] = Engine
     """Builds the reference engine the offloading level follows the adapter with: the spec's model."""
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    """Seconds a drain waits for a connector on its own clock to go idle (`DEFAULT_DRAIN_TIMEOUT`)."""
     coverage: dict[str, int] = field(default_factory=dict)
+    findings: dict[str, str] = field(default_factory=dict)
+    """Faults the engine's scheduler masked, by clause (`connector_level.check_masked_answers`): reported, not failed."""
     statistics: RunStatistics = field(default_factory=RunStatistics)
+    observed_failure: ClauseViolation | None = None
+    """The run's first failure as it happened, carrying its program: the evidence where a replay does not fail again,
+    as happens with a connector on its own clock (CONF-RUN-3)."""
     capabilities: Capabilities | None = None
     """What the adapter claimed to support, as the latest execution read it (CONF-CAP-1)."""
 
@@ -121,7 +137,7 @@ class Judge(EngineState, Protocol):
     def step_observed(self, observation: StepObservation, completed_in_step: TransferOutcome | None) -> None: ...
     def resident_kv(self, request_id: str, kv: torch.Tensor) -> None: ...
     def reset_answered(self, reset_connector: bool, answer: bool) -> None: ...
-    def drained(self, usage: ResourceUsage, steps: int) -> None: ...
+    def drained(self, usage: ResourceUsage, waited: str) -> None: ...
 
 
 JUDGES: dict[SpecLevel, Callable[[Execution, EngineConfig], Judge]] = {
@@ -235,6 +251,8 @@ class Execution:
             statistics = self.session.statistics
             if isinstance(error, ClauseViolation) and statistics.found_at_example is None:
                 statistics.found_at_example = statistics.examples
+            if isinstance(error, ClauseViolation) and self.session.observed_failure is None:
+                self.session.observed_failure = error
             raise
 
     def _start(self, config: EngineConfig) -> None:
@@ -281,21 +299,41 @@ class Execution:
             judge.reset_answered(reset_connector, answer)
 
     def _drain(self) -> None:
-        """Complete every transfer and step until the engine is idle, then check for leaks and liveness."""
+        """Step until the engine is idle, then check for leaks and liveness.
+
+        Where the harness completes transfers, it completes every one before each step, for at most `DRAIN_STEP_LIMIT`
+        steps. A connector on its own clock finishes its transfers itself: the drain steps the engine as vLLM's engine
+        core does while requests wait for remote KV, until it is idle or the session's drain deadline has passed, and
+        the verdicts say how long they waited (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1)."""
+        harness_completes = self.capabilities.harness_completes_transfers
+        started = time.perf_counter()
         steps = 0
-        while steps < DRAIN_STEP_LIMIT and self.state.busy():
-            self._complete_transfers(False, False)
+
+        def waiting() -> bool:
+            return steps < DRAIN_STEP_LIMIT if harness_completes else \
+                time.perf_counter() - started < self.session.drain_timeout
+
+        def step() -> None:
+            nonlocal steps
+            if harness_completes:
+                self._complete_transfers(False, False)
             self._step()
             steps += 1
+            if not harness_completes and not self.observations[-1].scheduled_tokens:
+                time.sleep(IDLE_STEP_PAUSE)
+
+        while waiting() and self.state.busy():
+            step()
         usage = self.call("resource_usage")
-        while steps < DRAIN_STEP_LIMIT and not self.state.idle(usage):
+        while waiting() and not self.state.idle(usage):
             # on its own schedule only the adapter knows its pending saves: step until it says it is idle
-            self._complete_transfers(False, False)
-            self._step()
-            steps += 1
+            step()
             usage = self.call("resource_usage")
+        waited = (f"{steps} drain steps with every transfer completed" if harness_completes else
+                  f"{steps} drain steps over {time.perf_counter() - started:.2f} s on the connector's own clock (drain "
+                  f"deadline {self.session.drain_timeout:g} s)")
         for judge in self.judges:
-            judge.drained(usage, steps)
+            judge.drained(usage, waited)
 
     # --- judging -----------------------------------------------------------------------------
 

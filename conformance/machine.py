@@ -12,7 +12,8 @@ from hypothesis import reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvconform.common.values import VARIANTS, Capabilities, EngineConfig, RequestSpec
-from kvconform.conformance.execution import Call, Diverged, Execution, Scheduling, Session
+from kvconform.conformance.execution import Diverged, Execution, Scheduling, Session
+from kvconform.conformance.operations import Call
 
 BASE_PROMPTS = tuple(tuple((seed * 5 + i * (seed + 2)) % 4 for i in range(48)) for seed in range(3))
 """Shared prompt prefixes: requests draw prefixes of these so that prefix and offload hits really happen."""
@@ -123,6 +124,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.run = Execution(self.session)
+        self.added_since_drain = 0
 
     def apply(self, operation: str, *args) -> None:
         """Run one call on both engines; a known failure ends the example there (CONF-RUN-2)."""
@@ -139,12 +141,43 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         capabilities = self.run.begin()
         self.apply("start", data.draw(engine_configs(capabilities, self.session.scheduling), label="config"))
 
-    @precondition(lambda self: len(self.run.state.unfinished()) < MAX_LIVE_REQUESTS)
+    # Hypothesis must draw the same data whenever it replays an example. Where the harness completes transfers the
+    # adapter is deterministic, and the rules may read its state: preconditions and the candidates a rule draws
+    # from. A connector on its own clock is not (its threads decide when a load ends), so there the preconditions
+    # read only what the harness itself did, and a rule draws an index it maps onto the candidates of the moment
+    # when it runs, or does nothing when there are none. Its draws then never depend on the adapter's timing.
+
+    @property
+    def on_own_clock(self) -> bool:
+        return not self.run.capabilities.harness_completes_transfers
+
+    def live_requests(self) -> int:
+        """Return the unfinished requests; on the connector's clock, those added since the last drain (an upper bound
+        the harness knows without asking the adapter)."""
+        return self.added_since_drain if self.on_own_clock else len(self.run.state.unfinished())
+
+    def pick(self, data: st.DataObject, candidates: list[str]) -> str | None:
+        """Draw one of `candidates` (sorted request ids); on the connector's clock, by an index that does not depend
+        on how many there are, None when there are none."""
+        if not self.on_own_clock:
+            return data.draw(st.sampled_from(candidates), label="request_id")
+        index = data.draw(st.integers(0, MAX_LIVE_REQUESTS - 1), label="request_index")
+        return candidates[index % len(candidates)] if candidates else None
+
+    def add(self, spec: RequestSpec) -> None:
+        self.added_since_drain += 1
+        self.apply("add_request", spec)
+
+    def drain_engine(self) -> None:
+        self.apply("drain")
+        self.added_since_drain = 0
+
+    @precondition(lambda self: self.live_requests() < MAX_LIVE_REQUESTS)
     @rule(data=st.data())
     def add_request(self, data: st.DataObject) -> None:
-        self.apply("add_request", data.draw(new_requests(f"r{len(self.run.requests)}"), label="request"))
+        self.add(data.draw(new_requests(f"r{len(self.run.requests)}"), label="request"))
 
-    @precondition(lambda self: self.run.requests and len(self.run.state.unfinished()) < MAX_LIVE_REQUESTS)
+    @precondition(lambda self: self.run.requests and self.live_requests() < MAX_LIVE_REQUESTS)
     @rule(data=st.data(), count=BURSTS)
     def repeat_request(self, data: st.DataObject, count: int) -> None:
         """Add a burst of requests repeating one earlier prompt, as users sharing a system prompt do.
@@ -155,9 +188,9 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         """
         earlier = list(self.run.requests.values())
         before = earlier[data.draw(st.integers(0, len(earlier) - 1), label="earlier_request")]
-        for _ in range(min(count, MAX_LIVE_REQUESTS - len(self.run.state.unfinished()))):
+        for _ in range(min(count, MAX_LIVE_REQUESTS - self.live_requests())):
             request_id = f"r{len(self.run.requests)}"
-            self.apply("add_request", data.draw(repeated_requests(request_id, before), label="request"))
+            self.add(data.draw(repeated_requests(request_id, before), label="request"))
 
     @precondition(lambda self: self.run.requests)
     @rule(data=st.data(), count=BURSTS)
@@ -167,61 +200,70 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         This is vLLM's own regression scenario for the seed rule (OFF-READ-1); and when one request of the burst
         computes the prompt's head, the next loads the rest from the middle of an offloaded block (XFER-LOAD-1).
         """
-        self.apply("drain")
+        self.drain_engine()
         self.apply("reset_prefix_cache", False)
         self.repeat_request(data, count)
 
-    @precondition(lambda self: self.run.state.busy())
+    @precondition(lambda self: self.on_own_clock or self.run.state.busy())
     @rule(count=STEP_COUNTS, transfers_done=st.booleans())
     def step(self, count: int, transfers_done: bool) -> None:
         """Step both engines `count` times; with `transfers_done`, every in-flight transfer succeeds before each step."""
         for _ in range(count):
-            if transfers_done:
+            if transfers_done and not self.on_own_clock:
                 self.apply("complete_transfers", False, False)
             self.apply("step")
 
-    @precondition(lambda self: self.run.state.transfers_pending())
+    @precondition(lambda self: not self.on_own_clock and self.run.state.transfers_pending())
     @rule(fail_loads=SOMETIMES, fail_stores=SOMETIMES)
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         failures = self.run.capabilities.transfer_failures
         self.apply("complete_transfers", fail_loads and failures, fail_stores and failures)
 
-    @precondition(lambda self: self.run.capabilities.transfer_failures and self.run.state.loading())
+    @precondition(lambda self: self.run.capabilities.transfer_failures and not self.on_own_clock
+                  and self.run.state.loading())
     @rule()
     def fail_loads(self) -> None:
         """Fail every load in flight: a rule of its own, as the window is short (LIFE-LOAD-3, KVC-FAIL-1)."""
         self.apply("complete_transfers", True, False)
 
-    @precondition(lambda self: self.run.capabilities.abort and self.run.state.unfinished())
+    @precondition(lambda self: self.run.capabilities.abort and (self.on_own_clock or self.run.state.unfinished()))
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        self.apply("abort", data.draw(st.sampled_from(self.run.state.unfinished()), label="request_id"))
+        request_id = self.pick(data, self.run.state.unfinished())
+        if request_id is not None:
+            self.apply("abort", request_id)
 
-    @precondition(lambda self: self.run.capabilities.abort and self.run.state.loading())
+    @precondition(lambda self: self.run.capabilities.abort and (self.on_own_clock or self.run.state.loading()))
     @rule(data=st.data())
     def abort_during_load(self, data: st.DataObject) -> None:
         """Abort a request whose load is in flight: a rule of its own, as the window is short."""
-        self.apply("abort", data.draw(st.sampled_from(self.run.state.loading()), label="request_id"))
+        request_id = self.pick(data, self.run.state.loading())
+        if request_id is not None:
+            self.apply("abort", request_id)
 
-    @precondition(lambda self: self.run.capabilities.preemption and self.run.state.running())
+    @precondition(lambda self: self.run.capabilities.preemption and (self.on_own_clock or self.run.state.running()))
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
-        self.apply("preempt", data.draw(st.sampled_from(self.run.state.running()), label="request_id"))
+        request_id = self.pick(data, self.run.state.running())
+        if request_id is not None:
+            self.apply("preempt", request_id)
 
-    @precondition(lambda self: self.run.capabilities.preemption and self.run.state.storing())
+    @precondition(lambda self: self.run.capabilities.preemption and (self.on_own_clock or self.run.state.storing()))
     @rule(data=st.data())
     def preempt_while_storing(self, data: st.DataObject) -> None:
         """Preempt a request whose stores are in flight: a rule of its own, as the window is short (LIFE-FREE-2)."""
-        self.apply("preempt", data.draw(st.sampled_from(self.run.state.storing()), label="request_id"))
+        request_id = self.pick(data, self.run.state.storing())
+        if request_id is not None:
+            self.apply("preempt", request_id)
 
     @rule(reset_connector=SOMETIMES)
     def reset_prefix_cache(self, reset_connector: bool) -> None:
         self.apply("reset_prefix_cache", reset_connector and self.run.capabilities.reset_connector)
 
-    @precondition(lambda self: self.run.state.busy())
+    @precondition(lambda self: self.on_own_clock or self.run.state.busy())
     @rule()
     def drain(self) -> None:
-        self.apply("drain")
+        self.drain_engine()
 
     @invariant()
     def count_rules(self) -> None:

@@ -131,12 +131,12 @@ class OffloadingJudge:
             expected = self.engine.reset_prefix_cache(reset_connector)
         self.execution.judge(f"adapter.reset_prefix_cache({reset_connector!r})", "reset", self.ctx, expected, answer)
 
-    def drained(self, usage: ResourceUsage, steps: int) -> None:
+    def drained(self, usage: ResourceUsage, waited: str) -> None:
         """Judge the drained engine: nothing left allocated, pinned or in flight (LIFE-LEAK-1, LIFE-LIVE-1)."""
         with self.referencing():
             expected = self.observer.resource_usage()
-        check_drained(self.ctx, expected, steps)  # the reference drains too
-        self.execution.judge("adapter.resource_usage()", "drain", self.ctx, usage, steps)
+        check_drained(self.ctx, expected, waited)  # the reference drains too
+        self.execution.judge("adapter.resource_usage()", "drain", self.ctx, usage, waited)
 
     # --- where the requests are, as the reference has them (execution.EngineState) --------------------------
 

@@ -8,6 +8,7 @@ to write its report.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from kvconform.common.values import Capabilities
 from kvconform.conformance import baseline, examples, report, runner
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT
 from kvconform.conformance.machine import Scheduling
 from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES, Shard
 
@@ -51,6 +53,8 @@ class RunOptions:
     certify: bool = False
     database: ExampleDatabase | None = None
     """Where failing examples are kept and replayed from (CONF-RUN-5); None for none."""
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    """Seconds a drain waits for a connector on its own clock to go idle (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1)."""
 
 
 CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST")
@@ -79,7 +83,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
             scheduling: str = "both", call_timeout: float = DEFAULT_CALL_TIMEOUT,
             known_failures_path: Path | None = None, report_path: Path | None = None,
             junit_path: Path | None = None, certify: bool = False,
-            database: str = examples.DEFAULT_DATABASE) -> RunOptions:
+            database: str = examples.DEFAULT_DATABASE, drain_timeout: float | str = DEFAULT_DRAIN_TIMEOUT) -> RunOptions:
     """Return the checked options of a run, or raise UsageProblem naming the first mistake.
 
     `database` is a directory, a Redis URL or `none` (`examples.open_database`)."""
@@ -89,6 +93,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
         raise UsageProblem(f"unknown scheduling {scheduling!r}; choose one of {', '.join(SCHEDULINGS)}")
     if not call_timeout > 0:
         raise UsageProblem(f"the call timeout must be more than 0 seconds, not {call_timeout:g}")
+    drain_seconds = positive_seconds("the drain timeout", drain_timeout)
     for path in (report_path, junit_path):
         if path is not None:
             check_writable(path)
@@ -106,7 +111,8 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
     if scheduling == "async" and not capabilities.async_scheduling:
         raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
     return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout,
-                      known.entries, frozenset(known.rare), report_path, junit_path, certify, database_opened)
+                      known.entries, frozenset(known.rare), report_path, junit_path, certify, database_opened,
+                      drain_seconds)
 
 
 def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard: Shard = Shard()) -> report.RunReport:
@@ -117,7 +123,7 @@ def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard
     result = runner.run(options.factory, options.adapter_spec, options.profile, options.seed, on_example=on_example,
                         call_timeout=options.call_timeout, scheduling=options.scheduling,
                         baseline=baseline.Baseline(dict(options.known_failures), rare),
-                        database=run_examples(options), shard=shard)
+                        database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout)
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures)
 
 
@@ -145,6 +151,17 @@ def write_reports(options: RunOptions, run_report: report.RunReport) -> None:
 def certification_gaps(options: RunOptions, run_report: report.RunReport) -> list[str]:
     """Return why the run does not certify the adapter when `options` ask to certify, else nothing (CONF-CERT-1)."""
     return report.certification_gaps(run_report) if options.certify else []
+
+
+def positive_seconds(what: str, value: float | str) -> float:
+    """Return `value` as a finite positive number of seconds, or raise UsageProblem naming `what`."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UsageProblem(f"{what} must be a positive number of seconds, not {value!r}")
+    return seconds
 
 
 def check_writable(path: Path) -> None:

@@ -35,6 +35,7 @@ OPTION_CONNECTOR_CONFIG = "--kv-connector-config"
 OPTION_CONNECTOR_MANIFEST = "--kv-connector-manifest"
 OPTION_SCHEDULING = "--kv-scheduling"
 OPTION_CALL_TIMEOUT = "--kv-call-timeout"
+OPTION_DRAIN_TIMEOUT = "--kv-drain-timeout"
 OPTION_REPORT = "--kv-report"
 OPTION_JUNIT = "--kv-junit"
 OPTION_KNOWN_FAILURES = "--kv-known-failures"
@@ -61,6 +62,7 @@ PREPARE_ARGUMENTS = {
     "seed": "kv_seed",
     "scheduling": "kv_scheduling",
     "call_timeout": "kv_call_timeout",
+    "drain_timeout": "kv_drain_timeout",
     "report_path": "kv_report",
     "junit_path": "kv_junit",
     "known_failures_path": "kv_known_failures",
@@ -81,6 +83,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Scheduling modes to draw engine configurations from: sync, async or both (default)")
     group.addoption(OPTION_CALL_TIMEOUT, dest="kv_call_timeout", type=float, default=None,
                     help="Seconds one adapter call may take before its outcome is reported unknown")
+    group.addoption(OPTION_DRAIN_TIMEOUT, dest="kv_drain_timeout", default=None,
+                    help="Seconds a drain steps a connector on its own clock until it is idle (as kvconform run)")
     group.addoption(OPTION_REPORT, dest="kv_report", type=Path, default=None,
                     help="Write the JSON report of the state-machine run here")
     group.addoption(OPTION_JUNIT, dest="kv_junit", type=Path, default=None,

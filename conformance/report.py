@@ -80,6 +80,13 @@ class RunReport(BaseModel):
     profile: str = Field(description="the Hypothesis profile: ci, dev or thorough")
     seed: int | None = Field(description="the --seed given, or None")
     scheduling: Scheduling = Field(description="the scheduling modes drawn from")
+    findings: dict[str, str] = Field({}, description="clause -> a fault of the connector's own answer that this release's "
+                                                     "scheduler masked (replaced the answer before using it): not a "
+                                                     "failure here, a failure on releases that take the answer as "
+                                                     "given")
+    drain_timeout: float | None = Field(None, description="seconds a drain waited at most for a connector on its own "
+                                                          "clock to go idle (--drain-timeout); None where the harness "
+                                                          "completes the adapter's transfers")
     levels: list[SpecLevel] = Field(description="the spec levels the run judged: the connector level on the adapter's "
                                                 "own schedule, the offloading level against the reference engine")
     certified_levels: list[SpecLevel] = Field(description="the judged levels at which every run-time MUST clause "
@@ -112,6 +119,8 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
         seed=result.seed, scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],
+        drain_timeout=None if capabilities.harness_completes_transfers else result.drain_timeout,
+        findings=dict(result.findings),
         passed=result.passed, outcome=result.outcome,
         seconds=round(result.seconds, 3),
         found_after=None if result.found_after is None else round(result.found_after, 3), statistics=result.statistics,
@@ -182,6 +191,7 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
         seed=seed, passed=failure["failed_clause"] is None,
         outcome=failing.outcome if failing else "ok" if failure["failed_clause"] is None else "fail",
         seconds=max(part.seconds for part in parts), statistics=statistics, **failure,
+        findings={clause: finding for part in reversed(parts) for clause, finding in part.findings.items()},
         clauses=clauses, run_time_coverage=run_time_coverage(clauses, first.levels),
         shards=[ShardResult(index=index, seed=part.seed, statistics=part.statistics, seconds=part.seconds,
                             outcome=part.outcome, failed_clause=part.failed_clause)

@@ -10,7 +10,7 @@ from typing import Literal
 from hypothesis import reporting
 from hypothesis import seed as use_seed
 from hypothesis.database import ExampleDatabase
-from hypothesis.errors import FlakyFailure, HypothesisException
+from hypothesis.errors import Flaky, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvconform.adapters.contract import KVConnectorAdapter
@@ -18,7 +18,7 @@ from kvconform.common.values import SpecLevel
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.execution import RunStatistics, Scheduling, Session
+from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT, RunStatistics, Scheduling, Session
 from kvconform.conformance.machine import machine_for
 from kvconform.conformance.operations import render
 from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone
@@ -50,6 +50,10 @@ class RunResult:
     known_failures: dict[str, str] = field(default_factory=dict)
     levels: tuple[SpecLevel, ...] = ()
     """The spec levels the run judged: those the adapter reports (`Capabilities.levels`)."""
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    """Seconds a drain waited at most for a connector on its own clock to go idle."""
+    findings: dict[str, str] = field(default_factory=dict)
+    """Faults of answers the release's scheduler replaced before using them, by clause: they fail on other releases."""
 
     @property
     def outcome(self) -> Outcome:
@@ -72,6 +76,7 @@ def run(
     scheduling: Scheduling = "both",
     database: ExampleDatabase | None = None,
     shard: Shard = Shard(),
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
 ) -> RunResult:
     """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample.
 
@@ -80,7 +85,7 @@ def run(
     its own seed.
     """
     baseline = Baseline() if baseline is None else baseline
-    session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example)
+    session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example, drain_timeout)
     machine = machine_for(session)
     seed = shard.seed(seed)
     if seed is not None:  # @seed also sets database=None on the class's own settings, which the settings below replace
@@ -88,7 +93,8 @@ def run(
     settings = profile_settings(profile, seed is not None, database, shard.examples(PROFILES[profile].max_examples))
     started = time.perf_counter()
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
-                       statistics=session.statistics, coverage=session.coverage)
+                       statistics=session.statistics, coverage=session.coverage, drain_timeout=drain_timeout,
+                       findings=session.findings)
     try:
         # Hypothesis reports nothing: the result reports the call program
         with reporting.with_reporter(lambda text: None), programs_from_seed_alone(), hang_detection():
@@ -102,10 +108,10 @@ def run(
         result.message = hang.detail
         result.counterexample = "\n".join(hang.trace)
     except HypothesisException as error:
-        violation = _not_replayed(error)
-        if violation is not None:
+        observed = _not_replayed(error, session)
+        if observed is not None:
             result.found_after = time.perf_counter() - started
-            _failed(result, Replay(violation.program, violation))
+            _failed(result, _shrunk(session, observed, PROFILES[profile]))
         else:
             result.passed = False
             result.failed_clause = "CONF-RUN-1"
@@ -131,17 +137,14 @@ def _failed(result: RunResult, failing: Replay) -> None:
     result.adapter_traceback = failing.violation.adapter_traceback
 
 
-def _not_replayed(error: HypothesisException) -> ClauseViolation | None:
-    """Return the clause violation of an example Hypothesis could not make fail again, if that is what `error` is.
-
-    The same calls passed when replayed: the adapter under test is not deterministic (CONF-RUN-3).
-    """
-    if not isinstance(error, FlakyFailure):
+def _not_replayed(error: HypothesisException, session: Session) -> Replay | None:
+    """Return the failure the run observed, with the program as it ran, where `error` says Hypothesis could not make
+    it happen again: an adapter that is not deterministic, such as a connector on its own clock (CONF-RUN-3). The
+    shrinker then replays it and says how many of its replays reproduced it."""
+    observed = session.observed_failure
+    if not isinstance(error, Flaky) or observed is None or observed.program is None:
         return None
-    violation = next((e for e in error.exceptions if isinstance(e, ClauseViolation)), None)
-    if violation is not None:
-        violation.detail += " (it did not happen again when the same calls were replayed: the adapter is not deterministic)"
-    return violation
+    return Replay(observed.program, observed)
 
 
 def _shrunk(session: Session, failing: Replay, profile: Profile) -> Replay:

@@ -16,6 +16,7 @@ from rich.table import Table
 from kvconform.conformance import options, report
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
 from kvconform.conformance.examples import DEFAULT_DATABASE
+from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT
 from kvconform.conformance.profiles import PROFILES
 
 EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -53,6 +54,9 @@ def _connector_options(command):
               help="Write the JSON report here")
 @click.option("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT, show_default=True,
               help="Seconds one adapter call may take before its outcome is reported unknown")
+@click.option("--drain-timeout", default=str(DEFAULT_DRAIN_TIMEOUT), show_default=True,
+              help="Seconds a drain steps a connector on its own clock (one whose transfers the harness cannot "
+                   "complete) until it is idle, before what is left counts as stuck")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a JUnit XML report here, one test case per clause")
 @click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -67,7 +71,7 @@ def _connector_options(command):
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the run across N pytest-xdist workers, one part each (needs pytest-xdist)")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
-                junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str,
+                drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str,
                 connector: str | None, connector_config: str | None, connector_manifest: str | None,
                 verbose: bool, database: str, workers: int) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
@@ -76,7 +80,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
-                              report_path=report_path, junit_path=junit_path, certify=certify, database=database)
+                              report_path=report_path, junit_path=junit_path, certify=certify, database=database,
+                              drain_timeout=drain_timeout)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
@@ -84,6 +89,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     if workers > 1:
         run_report = _run_in_workers(workers, adapter=adapter_spec, profile=profile, seed=seed,
                                      scheduling=scheduling, call_timeout=call_timeout, database=database,
+                                     drain_timeout=drain_timeout,
                                      known_failures=known_failures_path, report=report_path, junit=junit_path)
         _print_table(_stdout(), run_report, verbose)
     else:
@@ -159,6 +165,8 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print(table)
     if not verbose:
         console.print("(--verbose lists every clause)")
+    for clause, finding in run_report.findings.items():
+        console.print(f"[yellow]masked[/] {clause}: {finding}", soft_wrap=True)
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}")
     if run_report.outcome == "ok":

@@ -72,6 +72,7 @@ def test_known_failure_is_an_xfail(pytester: pytest.Pytester, tmp_path: Path) ->
     (["--kv-adapter=reference", "--kv-profile=nightly-ish"], "unknown profile 'nightly-ish'"),
     (["--kv-adapter=reference", "--kv-scheduling=sometimes"], "unknown scheduling 'sometimes'"),
     (["--kv-adapter=reference", "--kv-call-timeout=0"], "the call timeout must be more than 0 seconds"),
+    (["--kv-adapter=reference", "--kv-drain-timeout=soon"], "the drain timeout must be a positive number of seconds"),
     (["--kv-adapter=reference", "--kv-known-failures=missing.txt"], "cannot read known-failures file"),
     (["--kv-adapter=reference", "--kv-report=/dev/null/run.json"], "cannot write the report"),
     (["--kv-adapter=faulty_adapters:SyncOnlyAdapter", "--kv-scheduling=async"], "does not support async scheduling"),

@@ -1,25 +1,30 @@
 """`vllm-connector`: any vLLM `KVConnectorBase_V1`, judged at the connector level with no code of the vendor's.
 
 The connector is named by `KVCONFORM_CONNECTOR` — a name vLLM's `KVConnectorFactory` knows (`ExampleConnector`,
-`OffloadingConnector`, …) or `module:Class` — with its `kv_connector_extra_config` as JSON in
+`OffloadingConnector`, …) or `module:Class`, the module found from the current directory too and refused before
+vLLM is imported when it is nowhere — with its `kv_connector_extra_config` as JSON in
 `KVCONFORM_CONNECTOR_CONFIG`; `kvconform run --connector … --connector-config …` and the pytest plugin's
 `--kv-connector …` set them. Both roles run in this process around a real vLLM scheduler (`engine.VllmAdapter`),
 and the model runner glue calls the connector as vLLM's attention layers do, layer by layer. What the connector
 claims (`KVCONFORM_CONNECTOR_MANIFEST`, a JSON object of `Capabilities` fields) defaults to what any connector
 inside vLLM can be asked: async scheduling, aborts, no failure injection, no connector reset, no preemption from
-outside. Only the connector level's observations are reported: the connector is a black box.
+outside. Only the connector level's observations are reported: the connector is a black box, on its own clock:
+its transfers finish when its threads finish them (`Capabilities.harness_completes_transfers` False), and the kit
+steps the engine until it is idle or a deadline passes.
 
 vLLM's own CPU offloading connectors copy with CUDA kernels on their worker side. Named by their factory name,
 `OffloadingConnector` and `SimpleCPUOffloadConnector` get the CPU transfer seam of their white-box adapters (`SEAMS`):
 vLLM's code throughout, the kit's torch copies in place of the kernels, transfers finishing when the harness completes
-them; `LMCacheConnectorV1` gets a torch copy for LMCache (`lmcache.py`). The seam's extra config comes first and
+them (the deterministic mode, `harness_completes_transfers`); `LMCacheConnectorV1` gets a torch copy for LMCache (`lmcache.py`). The seam's extra config comes first and
 `KVCONFORM_CONNECTOR_CONFIG` overrides any field of it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 from typing import Any
 
@@ -37,8 +42,9 @@ CONNECTOR_CONFIG = "KVCONFORM_CONNECTOR_CONFIG"
 CONNECTOR_MANIFEST = "KVCONFORM_CONNECTOR_MANIFEST"
 
 DEFAULT_MANIFEST = {"async_scheduling": True, "eviction_policies": ("lru",), "block_size_factors": (1,),
-                    "transfer_failures": False, "reset_connector": False}
-"""What a connector is asked for unless its seam or manifest says more: its store's policy and chunking are its own."""
+                    "transfer_failures": False, "reset_connector": False, "harness_completes_transfers": False}
+"""What a connector is asked for unless its seam or manifest says more: its store's policy and chunking are its own,
+and so is its clock: its transfers finish when its own threads finish them, unless a seam holds them."""
 
 SEAMS: dict[str, type[TransferSeam]] = {"OffloadingConnector": OffloadingSeam, "SimpleCPUOffloadConnector": SimpleCPUSeam,
                                          "LMCacheConnectorV1": LMCacheSeam}
@@ -56,9 +62,11 @@ class VllmConnectorAdapter(VllmAdapter):
             raise AdapterNotFound(f"vllm-connector needs a connector: --connector NAME|module:Class (or {CONNECTOR})")
         self.connector_config = _json_object(CONNECTOR_CONFIG, os.environ.get(CONNECTOR_CONFIG, "{}"))
         self.manifest = _json_object(CONNECTOR_MANIFEST, os.environ.get(CONNECTOR_MANIFEST, "{}"))
-        super().__init__()
         module, _, class_name = self.connector_spec.rpartition(":")
         self.connector_name, self.module_path = class_name, module or None
+        if self.module_path is not None:
+            _find_module(self.module_path)
+        super().__init__()
         self._check_connector()
         if self.module_path is None and self.connector_name in SEAMS:
             self.seam = SEAMS[self.connector_name](self)
@@ -124,6 +132,20 @@ class VllmConnectorAdapter(VllmAdapter):
     def close(self) -> None:
         self.seam.close()
         self.storage.cleanup()
+
+
+def _find_module(module: str) -> None:
+    """Make `module` importable from the current directory, as `python -m` would, and refuse it before vLLM's slow
+    import when it is not there."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a relative name
+        found = False
+    if not found:
+        raise AdapterNotFound(f"cannot load connector module {module!r}: not found on the Python path (the current "
+                              f"directory {os.getcwd()} included)")
 
 
 def _json_object(variable: str, text: str) -> dict[str, Any]:

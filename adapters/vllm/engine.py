@@ -13,13 +13,14 @@ with the worker-side connector called in the order of vLLM's model runner.
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.transfers import HeldTransfers, KVTensors
@@ -45,6 +46,7 @@ class StepTrace:
     preempted: set[str] = field(default_factory=set)
     promoted: dict[str, int] = field(default_factory=dict)
     match_answers: list[MatchAnswer] = field(default_factory=list)
+    masked_answers: list[MatchAnswer] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
     forward_writes: set[int] = field(default_factory=set)
@@ -165,6 +167,21 @@ class ActiveConnectorGlue(MixinGlue):
             self.layerwise(forward)
         self.active.finish_forward()
         return self.active.post_forward(scheduler_output.finished_req_ids)
+
+
+SKIP_READ_REPLACEMENT = re.compile(r"get_num_new_matched_tokens\([^)]*\)\s*\)?\s*\n\s*if (?P<condition>[^\n]+):\s*\n"
+                                  r"\s*ext_tokens, load_kv_async = 0, False")
+"""How a release's `Scheduler.schedule` replaces a connector's answer itself, right after asking for it (0.34:
+`if request.skip_reading_external_kv: ext_tokens, load_kv_async = 0, False`; 0.33 names another attribute)."""
+
+
+@functools.cache
+def skip_read_condition(scheduler_class: type) -> Any:
+    """Return the compiled condition under which the release's scheduler replaces a connector's answer by (0, False),
+    read from the code it runs, or None where it takes every answer as given (0.23, 0.24): the behaviour, never the
+    version, decides how the answer the scheduler took is recorded (KVC-SKIP-1)."""
+    match = SKIP_READ_REPLACEMENT.search(inspect.getsource(scheduler_class.schedule))
+    return None if match is None else compile(match["condition"], "<Scheduler.schedule>", "eval")
 
 
 def runner_glue(rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: dict[str, torch.Tensor]) -> MixinGlue:
@@ -476,11 +493,25 @@ class VllmAdapter(KVConnectorAdapter):
     # --- recording -----------------------------------------------------------------------------
 
     def _record_match(self, result: tuple[int | None, bool], request: Any, num_computed_tokens: int) -> None:
-        """Record the answer as the scheduler takes it: vLLM 0.34 replaces a request's answer by (0, False) when the
-        request must not read external KV (`skip_reading_external_kv`, scheduler.py), whatever the connector said."""
-        tokens, load_async = (0, False) if getattr(request, "skip_reading_external_kv", False) else result
-        self.trace.match_answers.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
-                                                    external_tokens=tokens, load_async=load_async))
+        """Record the answer as the scheduler takes it, and the connector's own where the scheduler replaces it: a
+        release may answer a request that must not read external KV itself (`skip_read_replaced`). An answer past the
+        request's tokens fails KVC-MATCH-1 here, before vLLM's scheduler fails a bare assertion on it."""
+        taken = (0, False) if self.skip_read_replaced(request) else tuple(result)
+        answers = [self.trace.match_answers] + [self.trace.masked_answers] * (taken != tuple(result))
+        for answer, recorded in zip((taken, result), answers):
+            recorded.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
+                                        external_tokens=answer[0], load_async=answer[1]))
+        if taken[0] is not None and num_computed_tokens + taken[0] > request.num_tokens:
+            raise ImplementationFailure("KVC-MATCH-1", f"get_num_new_matched_tokens answered {taken} for request "
+                                                       f"{request.request_id!r} after a local hit of "
+                                                       f"{num_computed_tokens}: past its {request.num_tokens} tokens, "
+                                                       "which vLLM's scheduler would fail an assertion on")
+
+    def skip_read_replaced(self, request: Any) -> bool:
+        """Return whether the release's scheduler replaces this request's answer by (0, False) itself, as its own
+        `schedule` says right after asking the connector (`skip_read_condition`)."""
+        condition = skip_read_condition(type(self.scheduler))
+        return condition is not None and bool(eval(condition, {}, {"request": request, "self": self.scheduler}))
 
     def _record_finish_answer(self, result: tuple[bool, Any], request: Any, *args: Any) -> None:
         if result[0]:
@@ -492,12 +523,25 @@ class VllmAdapter(KVConnectorAdapter):
         0.32+; the way 0.34's OffloadingConnector reports them)."""
         if output is None:
             return
+        self._check_loads_in_flight(sorted(getattr(output, "finished_recving", None) or ()))
         self.trace.loads_finished += sorted(getattr(output, "finished_recving", None) or ())
         self.trace.saves_finished += sorted(getattr(output, "finished_sending", None) or ())
         failed_blocks = set(getattr(output, "invalid_block_ids", None) or ())
         self.trace.loads_failed += sorted(set(getattr(output, "failed_recving", None) or ()) | {
             request_id for request_id, request in self.scheduler.requests.items()
             if not request.is_finished() and failed_blocks & set(self.block_ids(request_id))})
+
+    def _check_loads_in_flight(self, finished_recving: list[str]) -> None:
+        """Refuse a finished load of a request vLLM is not waiting for (KVC-ASYNC-1) before vLLM's scheduler sees it:
+        `_update_from_kv_xfer_finished` would fail a bare assertion on it."""
+        status = self.rt.request.RequestStatus
+        for request_id in finished_recving:
+            request = self.scheduler.requests.get(request_id)
+            if request is None or not (request.status == status.WAITING_FOR_REMOTE_KVS or request.is_finished()):
+                where = "gone" if request is None else f"{request.status.name}, not WAITING_FOR_REMOTE_KVS"
+                raise ImplementationFailure("KVC-ASYNC-1", f"get_finished reported the load of request {request_id!r} "
+                                                           f"finished, but no load of it is in flight (the request is "
+                                                           f"{where}): reported twice, or never started")
 
     def _record_promotion(self, result: Any, request: Any) -> None:
         """Record a waiting request whose finished load the scheduler takes up, after the answers given so far."""
@@ -513,7 +557,7 @@ class VllmAdapter(KVConnectorAdapter):
             scheduled_tokens=trace.scheduled_tokens,
             computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items() if not q.is_finished()},
             preempted=tuple(sorted(trace.preempted)), promoted=dict(trace.promoted),
-            match_answers=tuple(trace.match_answers),
+            match_answers=tuple(trace.match_answers), masked_answers=tuple(trace.masked_answers),
             finished=tuple(trace.finished), freed=tuple(trace.freed),
             forward_writes=frozenset(trace.forward_writes), store_reads_in_flight=frozenset(trace.store_reads_in_flight),
             loads_finished=tuple(trace.loads_finished), loads_failed=tuple(trace.loads_failed),

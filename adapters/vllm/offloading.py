@@ -284,9 +284,9 @@ class OffloadingSeam(TransferSeam):
 
     def capabilities(self) -> dict[str, Any]:
         """Return the capability fields the seam decides: vLLM's two policies, chunks of 1 – 3 GPU blocks, and failed
-        transfers where the release can report them."""
+        transfers where the release can report them; the transfers it holds finish when the harness completes them."""
         return dict(eviction_policies=("lru", "arc"), block_size_factors=(1, 2, 3),
-                    transfer_failures=reports_failures())
+                    transfer_failures=reports_failures(), harness_completes_transfers=True)
 
     def store_slots(self, config: EngineConfig) -> int:
         return config.num_offload_blocks

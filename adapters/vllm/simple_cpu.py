@@ -106,8 +106,9 @@ class SimpleCPUSeam(TransferSeam):
     def capabilities(self) -> dict[str, Any]:
         """Return the capability fields the seam decides: one CPU block per GPU block (no block_size_factor), one LRU
         free queue (no policy choice), and no way to report a failed transfer (the worker metadata only carries
-        completed store events)."""
-        return dict(eviction_policies=("lru",), block_size_factors=(1,), transfer_failures=False)
+        completed store events); the transfers it holds finish when the harness completes them."""
+        return dict(eviction_policies=("lru",), block_size_factors=(1,), transfer_failures=False,
+                    harness_completes_transfers=True)
 
     def store_slots(self, config: EngineConfig) -> int:
         return config.num_offload_blocks + 1  # the CPU BlockPool keeps block 0 as its null block
