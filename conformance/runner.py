@@ -85,7 +85,7 @@ def run(
     its own seed.
     """
     baseline = Baseline() if baseline is None else baseline
-    session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example, drain_timeout)
+    session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example, drain_timeout=drain_timeout)
     machine = machine_for(session)
     seed = shard.seed(seed)
     if seed is not None:  # @seed also sets database=None on the class's own settings, which the settings below replace

@@ -26,7 +26,8 @@ from kvconform.common.values import (
 from kvconform.conformance import options, runner
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.connector_level import ConnectorJudge, check_async_loads, check_resident_bytes
-from kvconform.conformance.execution import Call, Execution, Session, replay
+from kvconform.conformance.execution import Execution, Session, replay
+from kvconform.conformance.operations import Call
 from kvconform.conformance.mutants import black_box
 
 from kvconform.cli import main
@@ -94,10 +95,18 @@ def admitted_and_reported_in_one_step() -> StepObservation:
                                                       load_async=True),))
 
 
+def judge_of(spec: RequestSpec) -> ConnectorJudge:
+    """Return the connector-level judge of an execution to which the harness added `spec`."""
+    execution = Execution(Session(ReferenceAdapter))
+    judge = ConnectorJudge(execution, EngineConfig())
+    execution.requests[spec.request_id] = spec
+    judge.add_request(spec)
+    return judge
+
+
 def test_a_load_reported_in_the_step_that_admitted_it_is_accepted() -> None:
     """False alarm 3: vLLM accepts a finished load whatever step it began in (`_update_from_kv_xfer_finished`)."""
-    judge = ConnectorJudge(EngineConfig(), {})
-    judge.add_request(RequestSpec(request_id="r", prompt=PROMPT))
+    judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT))
     observation = admitted_and_reported_in_one_step()
     check_async_loads(judge, observation)
     judge.follow(observation)
@@ -282,8 +291,7 @@ def test_a_twin_of_the_double_is_killed_by_its_clause(own_clock: Callable[[str],
 
 def test_wrong_bytes_name_the_load_its_steps_and_the_preemption_before_it() -> None:
     """Issue 22 item 6: KVC-DATA-1 says which load brought the bytes, when, and the preemption that led to it."""
-    judge = ConnectorJudge(EngineConfig(), {})
-    judge.add_request(RequestSpec(request_id="r", prompt=PROMPT))
+    judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT))
     judge.follow(StepObservation(scheduled_tokens={"r": 4}, computed_tokens={"r": 4}))
     judge.follow(StepObservation(scheduled_tokens={}, computed_tokens={"r": 0}, preempted=("r",)))
     judge.follow(StepObservation(scheduled_tokens={}, computed_tokens={"r": 8}, match_answers=(
