@@ -4,12 +4,17 @@ offers or eviction victims where the run lists their clause, and every other cla
 from __future__ import annotations
 
 import functools
+import json
+from importlib import resources
+from pathlib import Path
 
 import pytest
 
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.conformance import runner
-from kvconform.conformance.baseline import Baseline
+from kvconform.adapters.vllm import runtime
+from kvconform.conformance import baseline, options, runner
+from kvconform.conformance.baseline import Baseline, Entry
+from kvconform.conformance.execution import Call, Session, replay
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.reference.connector import OffloadConnectorScheduler
 from kvconform.reference.engine import Engine
@@ -30,7 +35,8 @@ def capped_lookup_adapter() -> ReferenceAdapter:
 
 
 def run(adapter, known: dict[str, str]) -> runner.RunResult:
-    return runner.run(adapter, "deviating", profile="ci", baseline=Baseline(dict(known), rare=set(known)))
+    listed = [Entry(clause, reason, rare=True) for clause, reason in known.items()]
+    return runner.run(adapter, "deviating", profile="ci", baseline=Baseline(listed))
 
 
 @pytest.mark.long
@@ -60,3 +66,24 @@ def test_a_victim_the_store_must_keep_is_not_followed():
     does not hide OFF-MGR-3."""
     known = {"OFF-LRU-1": "another order", "OFF-ARC-1": "another order"}
     assert run(MUTANTS["evicts-pinned"].adapter, known).failed_clause == "OFF-MGR-3"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(runtime.installed_version() != "0.23.0",
+                    reason="needs vLLM 0.23.0 (its own environment): kvconform install-vllm 0.23.0")
+def test_a_scheduler_deviation_is_listed_once_for_every_adapter_on_its_release() -> None:
+    """CONF-RUN-2: 0.23's scheduler race (SCHED-ALLOC-1), listed once in the release's file, is met as listed by a
+    run of vllm-offloading, whose own file does not list it; without the release's file the program fails it."""
+    from kvconform.adapters.vllm.offloading import VllmOffloadingAdapter
+
+    folder = resources.files("kvconform.adapters.vllm")
+    text = folder.joinpath("deviations", "vllm-offloading-0.23.0-SCHED-ALLOC-1.json").read_text(encoding="utf-8")
+    program = [Call.from_json(operation) for operation in json.loads(text)["program"]]
+    own = folder.joinpath("known-failures", "vllm-offloading-0.23.0.txt")
+    alone = replay(Session(VllmOffloadingAdapter, baseline=baseline.load(own)), program).violation
+    assert alone is not None and alone.clause == "SCHED-ALLOC-1", alone
+    run = options.prepare("vllm-offloading", known_failures_path=Path(str(own)), database="none")
+    assert run.known_failures_files[0].endswith("vllm-0.23.0.txt") and "SCHED-ALLOC-1" in run.known_failures
+    listed = baseline.Baseline(list(run.known_entries))
+    assert replay(Session(VllmOffloadingAdapter, baseline=listed), program).violation is None
+    assert listed.met == {"SCHED-ALLOC-1 /for which the free blocks do not hold/": 1}, listed.met

@@ -13,9 +13,10 @@ drive is pure Python, so any release from 0.23.0 on goes in the same way, with n
    same pinned set installed into this environment, from uv's cache. A release that fails leaves the
    environment as it was: one line says what failed and what to try.
 
-uv, not pip: for this job (0.28.0's 140 pinned wheels, --no-deps, fresh venv over torch 2.13.0) pip took
-several times as long (docs/vllm-driving-notes.md §2 has the figures); pip keeps the one job uv cannot do
-here, torch 2.13.0 itself, which lies on this machine's disk where pip's configuration, not uv, finds it.
+uv, not pip: for this job (0.28.0's 141 pinned wheels, 1.2 GB, --no-deps into a fresh folder, load average
+about 3 on 2 cores) pip 23.2 took 65 s with an empty cache and 59 s with a full one, uv 0.13.9 6.4 s and
+3.0 s. pip keeps the one job uv cannot do here, torch 2.13.0 itself, which lies on this machine's disk where
+pip's configuration (find-links), not uv, finds it; uv itself is installed with pip when missing.
 """
 
 from __future__ import annotations
