@@ -69,7 +69,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
                   f"{options.seed_words(seed)}, scheduling {scheduling}")
     for line in run.banner():
-        console.print(f"kvconform: {line}", style="yellow" if line.startswith("warning") else None, highlight=False)
+        console.print(f"kvconform: {line}", style="yellow" if line.startswith("warning") else None, highlight=False,
+                      soft_wrap=True)
     if workers > 1:
         run_report = _run_in_workers(workers, adapter=adapter_spec, profile=profile, seed=seed,
                                      scheduling=scheduling, call_timeout=call_timeout, database=database,
