@@ -262,7 +262,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     for gap in config.stash.get(CERTIFICATION_GAPS, []):
         terminalreporter.write_line(f"not certified: {gap}")
     for name, count in run_report.known_failures_met.items():
-        terminalreporter.write_line(f"known failure {name}: met {count} times")
+        terminalreporter.write_line(f"known failure {name} (met {count} times): "
+                                    f"{run_report.known_failures[name.split()[0]]}")
     run = config.stash[RUN_OPTIONS]
     for path in (run.report_path, run.junit_path):
         if path is not None:
