@@ -59,15 +59,19 @@ Rule: leave out what needs an accelerator or a particular torch build, and nothi
 dependency the wheel declares for this platform goes in, if it has a wheel. The import probe (PROBED) is
 the judge of whether that was enough."""
 
-PROBED = (
-    "vllm.v1.worker.kv_connector_model_runner_mixin", "vllm.forward_context",
-)
+PROBED = ("vllm.forward_context", "vllm.distributed.kv_transfer.kv_transfer_state")
 """Modules the engine imports beyond runtime.load()'s (which the probe also runs: scheduler, KV-cache manager,
 connector factory and base, configs); the probe also imports every offload connector the adapters drive."""
+
+RUNNER_GLUES = ("vllm.v1.worker.gpu.kv_connector", "vllm.v1.worker.kv_connector_model_runner_mixin")
+"""The worker-side glue the engine drives a connector through (engine.runner_glue): model runner v2's, or the
+older mixin; a release has one or both, and those it has must import."""
 
 PROBE = f"""
 from kvconform.adapters.vllm import runtime
 rt = runtime.load()
+glues = [rt.load(module) for module in {RUNNER_GLUES!r} if rt.has_module(module)]
+assert glues, "none of the worker-side glues {', '.join(RUNNER_GLUES)} exists"
 for module in {PROBED!r}:
     rt.load(module)
 registry = rt.factory.KVConnectorFactory._registry
@@ -75,7 +79,7 @@ connectors = [name for name in ("OffloadingConnector", "SimpleCPUOffloadConnecto
               if name in registry]
 for name in connectors:
     registry[name]()
-print(rt.version, len(runtime._IMPORTS) + {len(PROBED)}, *connectors)
+print(rt.version, len(runtime._IMPORTS) + len(glues) + {len(PROBED)}, *connectors)
 """
 """The import probe: what the adapters import, with runtime.load()'s private, offline environment."""
 
