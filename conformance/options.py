@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard, get_args
 
 from hypothesis.database import ExampleDatabase
 
 from kvconform.adapters.contract import KVConnectorAdapter
-from kvconform.adapters.registry import AdapterNotFound, resolve
+from kvconform.adapters.registry import AdapterNotFound, available, resolve
 from kvconform.common.values import Capabilities
 from kvconform.conformance import baseline, examples, report, runner
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
@@ -46,8 +46,12 @@ class RunOptions:
     seed: int | None = None
     scheduling: Scheduling = "both"
     call_timeout: float = DEFAULT_CALL_TIMEOUT
-    known_failures: dict[str, str] = field(default_factory=dict)
-    rare_known_failures: frozenset[str] = frozenset()
+    known_entries: tuple[baseline.Entry, ...] = ()
+    """The known failures listed for the run, from known_failures_files in order (CONF-RUN-2)."""
+    known_failures_files: tuple[str, ...] = ()
+    """The files they come from: the implementation's own shipped file, then the user's."""
+    unverified: str | None = None
+    """Why the implementation's release has no verdict table, when its adapter package ships them for others."""
     report_path: Path | None = None
     junit_path: Path | None = None
     certify: bool = False
@@ -55,6 +59,21 @@ class RunOptions:
     """Where failing examples are kept and replayed from (CONF-RUN-5); None for none."""
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     """Seconds a drain waits for a connector on its own clock to go idle (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1)."""
+
+    @property
+    def rare_known_failures(self) -> frozenset[str]:
+        """The names of the entries marked rare: never stale (CONF-RUN-2)."""
+        return frozenset(entry.name for entry in self.known_entries if entry.rare)
+
+    @property
+    def known_failures(self) -> dict[str, str]:
+        """clause -> reason, of every listed clause."""
+        return baseline.Baseline(list(self.known_entries)).entries
+
+    def banner(self) -> list[str]:
+        """Return the lines a run starts with about the known failures it uses (and a release without any)."""
+        lines = [f"known failures: {', '.join(self.known_failures_files) or 'none listed'}"]
+        return lines + ([f"warning: {self.unverified}"] if self.unverified else [])
 
 
 CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST")
@@ -97,12 +116,8 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
     for path in (report_path, junit_path):
         if path is not None:
             check_writable(path)
-    known = baseline.Baseline()
     if known_failures_path is not None:
-        try:
-            known = baseline.load(known_failures_path)
-        except baseline.BaselineError as error:
-            raise UsageProblem(str(error)) from None
+        _known_failures(known_failures_path)  # a mistake in the user's file is reported before the adapter is built
     try:
         database_opened = examples.open_database(database)
     except examples.DatabaseError as error:
@@ -110,19 +125,38 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
     factory, capabilities, version = _probe(adapter_spec, call_timeout)
     if scheduling == "async" and not capabilities.async_scheduling:
         raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
+    shipped, ships_any = baseline.shipped(adapter_module(adapter_spec), version)
+    files = tuple(path for path in (shipped, known_failures_path) if path is not None)
+    files = files[:1] if len(files) == 2 and Path(str(files[0])).resolve() == files[1].resolve() else files
+    unverified = None
+    if ships_any and not shipped:
+        unverified = (f"{version} has no verdict table in kvconform (no shipped known-failures file "
+                      f"{version.replace(' ', '-')}.txt): a failure may be the release's own, not the adapter's")
     return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout,
-                      known.entries, frozenset(known.rare), report_path, junit_path, certify, database_opened,
+                      tuple(_known_failures(*files).listed), tuple(str(path) for path in files), unverified,
+                      report_path, junit_path, certify, database_opened,
                       drain_seconds)
+
+
+def _known_failures(*paths) -> baseline.Baseline:
+    try:
+        return baseline.load(*paths)
+    except baseline.BaselineError as error:
+        raise UsageProblem(str(error)) from None
+
+
+def adapter_module(adapter_spec: str) -> str:
+    """Return the module that defines the adapter `adapter_spec` names (a registered name or module:factory)."""
+    return available().get(adapter_spec, adapter_spec).partition(":")[0]
 
 
 def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard: Shard = Shard()) -> report.RunReport:
     """Run the state machine as `options` say, or one `shard` of it, and return its report (not yet written).
 
     A part of a split run finds no known failure stale: only the merge of all parts can (`report.merge`)."""
-    rare = set(options.known_failures) if shard.count > 1 else set(options.rare_known_failures)
     result = runner.run(options.factory, options.adapter_spec, options.profile, options.seed, on_example=on_example,
                         call_timeout=options.call_timeout, scheduling=options.scheduling,
-                        baseline=baseline.Baseline(dict(options.known_failures), rare),
+                        baseline=baseline.Baseline(list(options.known_entries), all_rare=shard.count > 1),
                         database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout)
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures)
 

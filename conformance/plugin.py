@@ -247,6 +247,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k.startswith("KVCONFORM_")}
     return [f"kvconform: adapter {run.adapter_spec} {run.implementation_version}, profile {run.profile}, "
             f"{options.seed_words(run.seed)}, scheduling {run.scheduling}",
+            *(f"kvconform: {line}" for line in run.banner()),
             f"kvconform: capabilities {run.capabilities}",
             f"kvconform: environment {env}"]
 
@@ -265,8 +266,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
                                                 for part in run_report.shards))
     for gap in config.stash.get(CERTIFICATION_GAPS, []):
         terminalreporter.write_line(f"not certified: {gap}")
-    for clause, reason in sorted(run_report.known_failures.items()):
-        terminalreporter.write_line(f"known failure {clause}: {reason}")
+    for name, count in run_report.known_failures_met.items():
+        terminalreporter.write_line(f"known failure {name} (met {count} times): "
+                                    f"{run_report.known_failures[name.split()[0]]}")
     run = config.stash[RUN_OPTIONS]
     for path in (run.report_path, run.junit_path):
         if path is not None:

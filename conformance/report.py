@@ -103,7 +103,9 @@ class RunReport(BaseModel):
     counterexample: str | None = Field(description="the shrunk program of adapter calls that fails, as Python")
     program: list[dict] | None = Field(None, description="the same program as JSON operations, for `kvconform replay`")
     adapter_traceback: str | None = Field(description="the adapter's traceback, when it raised (CONF-CALL-1)")
-    known_failures: dict[str, str] = Field(description="clause -> reason, from the known-failures file")
+    known_failures: dict[str, str] = Field(description="clause -> reason, from the known-failures files")
+    known_failures_met: dict[str, int] = Field({}, description="every listed known-failure entry (its clause, and "
+                                                               "its /cause/ if any) -> how many failures it covered")
     run_time_coverage: RunTimeCoverage = Field(description="how many of the MUST clauses that count were judged at "
                                                            "run time, and how those fared")
     clauses: list[ClauseResult] = Field(description="one verdict per clause of the spec")
@@ -126,6 +128,7 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         found_after=None if result.found_after is None else round(result.found_after, 3), statistics=result.statistics,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         program=result.program, adapter_traceback=result.adapter_traceback, known_failures=known_failures or {},
+        known_failures_met=result.known_failures_met,
         run_time_coverage=run_time_coverage(clauses, result.levels), clauses=clauses,
     )
     run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
@@ -168,14 +171,16 @@ def _verdicts(coverage: dict[str, int], failed_clause: str | None, seen_known_fa
 def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozenset[str] = frozenset()) -> RunReport:
     """Return the report of a run split across workers from the reports of its parts, in shard order.
 
-    The run fails as its first failing part does (a clause failure before a hang); a known failure is stale only
-    when no part saw it fail (CONF-RUN-2); clauses are exercised as often as all parts exercised them together.
+    The run fails as its first failing part does (a clause failure before a hang); a known-failure entry is stale
+    only when no part met it and it is not among the `rare_known_failures` (entry names) (CONF-RUN-2); clauses are
+    exercised, and entries met, as often as all parts did together.
     """
     first = parts[0]
     failing = ([part for part in parts if part.outcome == "fail"] or [part for part in parts if part.outcome == "info"]
                or [None])[0]
     seen = {c.id: c.known_failure for part in parts for c in part.clauses if c.verdict == "known failure"}
-    stale = sorted(set(first.known_failures) - set(seen) - rare_known_failures)
+    met = {name: sum(part.known_failures_met.get(name, 0) for part in parts) for name in first.known_failures_met}
+    stale = [name for name, count in met.items() if not count and name not in rare_known_failures]
     coverage = {c.id: sum(part.clauses[i].exercised for part in parts) for i, c in enumerate(first.clauses)}
     failure = dict(failed_clause=None, message=None, counterexample=None, program=None, adapter_traceback=None,
                    found_after=None)
@@ -190,7 +195,8 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
     run_report = first.model_copy(update=dict(
         seed=seed, passed=failure["failed_clause"] is None,
         outcome=failing.outcome if failing else "ok" if failure["failed_clause"] is None else "fail",
-        seconds=max(part.seconds for part in parts), statistics=statistics, **failure,
+        seconds=max(part.seconds for part in parts), statistics=statistics, known_failures_met=met,
+        **failure,
         findings={clause: finding for part in reversed(parts) for clause, finding in part.findings.items()},
         clauses=clauses, run_time_coverage=run_time_coverage(clauses, first.levels),
         shards=[ShardResult(index=index, seed=part.seed, statistics=part.statistics, seconds=part.seconds,

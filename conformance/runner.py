@@ -48,6 +48,8 @@ class RunResult:
     program: list[dict] | None = None
     adapter_traceback: str | None = None
     known_failures: dict[str, str] = field(default_factory=dict)
+    known_failures_met: dict[str, int] = field(default_factory=dict)
+    """Every listed known-failure entry by name -> how many failures it covered (CONF-RUN-2)."""
     levels: tuple[SpecLevel, ...] = ()
     """The spec levels the run judged: those the adapter reports (`Capabilities.levels`)."""
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
@@ -116,7 +118,11 @@ def run(
             result.passed = False
             result.failed_clause = "CONF-RUN-1"
             result.message = f"{type(error).__name__}: {error}"
+    if result.failed_clause in baseline.entries:
+        result.message = (f"{result.message} (the known failures list {result.failed_clause} for another cause only: "
+                          f"{', '.join(e.name for e in baseline.listed if e.clause == result.failed_clause)})")
     result.known_failures = dict(baseline.seen)
+    result.known_failures_met = {entry.name: baseline.met[entry.name] for entry in baseline.listed}
     if result.passed and baseline.stale():
         result.passed = False
         result.failed_clause = "CONF-RUN-2"

@@ -86,6 +86,9 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
         _usage_error(str(problem))
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
                   f"{options.seed_words(seed)}, scheduling {scheduling}")
+    for line in run.banner():
+        console.print(f"kvconform: {line}", style="yellow" if line.startswith("warning") else None, highlight=False,
+                      soft_wrap=True)
     if workers > 1:
         run_report = _run_in_workers(workers, adapter=adapter_spec, profile=profile, seed=seed,
                                      scheduling=scheduling, call_timeout=call_timeout, database=database,
@@ -167,6 +170,10 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print("(--verbose lists every clause)")
     for clause, finding in run_report.findings.items():
         console.print(f"[yellow]masked[/] {clause}: {finding}", soft_wrap=True)
+    if run_report.known_failures_met:
+        console.print("known failures met: " + ", ".join(f"{name} x{count}"
+                                                         for name, count in run_report.known_failures_met.items()),
+                      highlight=False)
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}")
     if run_report.outcome == "ok":
@@ -406,10 +413,12 @@ def install_vllm_command(version: str) -> None:
     from kvconform.adapters.vllm import install
 
     try:
-        install.install(version, say=lambda line: click.echo(line, err=True))
+        probed = install.install(version, say=lambda line: click.echo(line, err=True)).split()
     except install.InstallError as error:
         _usage_error(str(error))
-    click.echo(f"kvconform: vLLM {version} installed; run: kvconform run --adapter vllm-offloading", err=True)
+    click.echo(f"kvconform: vLLM {probed[0]} installed: {probed[1]} modules and the connectors "
+               f"{', '.join(probed[2:])} import; check your connector with: "
+               f"kvconform run --adapter vllm-connector --connector your.module:YourConnector", err=True)
 
 
 if __name__ == "__main__":

@@ -113,13 +113,15 @@ def test_merge_adds_up_the_parts_statistics() -> None:
 def test_merge_judges_known_failures_over_all_parts() -> None:
     """CONF-RUN-2: a known failure one part saw is not stale; one no part saw is, and fails the merged run."""
     seen = runner.RunResult("reference", "dev", 1, passed=True, seconds=1.0, known_failures={"OFF-READ-1": "seen"},
-                            coverage={"OFF-READ-1": 2})
-    unseen = runner.RunResult("reference", "dev", 2, passed=True, seconds=2.0, coverage={"OFF-READ-1": 3})
+                            known_failures_met={"OFF-READ-1": 2}, coverage={"OFF-READ-1": 2})
+    unseen = runner.RunResult("reference", "dev", 2, passed=True, seconds=2.0, known_failures_met={"OFF-READ-1": 0},
+                              coverage={"OFF-READ-1": 3})
     known = {"OFF-READ-1": "the seed bug"}
     parts = [report.build(result, "test", Capabilities(), known) for result in (seen, unseen)]
     merged = report.merge(parts, seed=0)
     verdict = {clause.id: (clause.verdict, clause.exercised) for clause in merged.clauses}["OFF-READ-1"]
     assert (merged.passed, merged.seconds, verdict) == (True, 2.0, ("known failure", 5))
+    assert merged.known_failures_met == {"OFF-READ-1": 2}
     stale = report.merge(parts[1:], seed=0)
     assert (stale.passed, stale.failed_clause) == (False, "CONF-RUN-2")
     assert report.merge(parts[1:], seed=0, rare_known_failures=frozenset(known)).passed

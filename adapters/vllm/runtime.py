@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from kvconform.adapters.registry import AdapterNotFound
-from kvconform.adapters.vllm.install import RELEASES
+from kvconform.adapters.vllm.install import OLDEST
 from kvconform.common.values import EngineConfig
 
 OPT_125M_CONFIG = {
@@ -128,7 +128,7 @@ def load() -> Runtime:
     version = installed_version()
     if version is None:
         raise VllmUnavailable(f"vLLM is not installed in this environment; install a release with "
-                              f"`kvconform install-vllm VERSION` (one of {', '.join(RELEASES)})")
+                              f"`kvconform install-vllm VERSION` ({OLDEST} or newer)")
     private = Path(tempfile.mkdtemp(prefix="kvconform-vllm-"))
     atexit.register(shutil.rmtree, private, ignore_errors=True)
     # A user's ~/.cache/vllm can hide missing dependencies (docs/dev/vllm-driving-notes.md §2): never use it.
@@ -143,7 +143,7 @@ def load() -> Runtime:
         logging.getLogger("vllm").setLevel(logging.ERROR)
     except Exception as error:  # a broken install: name the fix, not the traceback
         raise VllmUnavailable(f"vLLM {version} is installed but cannot be imported ({type(error).__name__}: "
-                              f"{error}); reinstall it with `kvconform install-vllm VERSION`") from error
+                              f"{error}); reinstall it with `kvconform install-vllm {version}`") from error
     model_dir = private / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(OPT_125M_CONFIG))
