@@ -52,7 +52,7 @@ def test_scenario(kv_run_options: options.RunOptions, scenario: scenarios.Scenar
                     f"capabilities)")
     try:
         verdict = scenarios.judge(scenario, Session(kv_run_options.factory, kv_run_options.call_timeout,
-                                                    baseline=Baseline(dict(kv_run_options.known_failures))))
+                                                    baseline=Baseline(list(kv_run_options.known_entries))))
     except scenarios.ScenarioError as error:
         pytest.fail(str(error), pytrace=False)
     if verdict.outcome == "refused":

@@ -21,8 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 CLAUSE_REF = re.compile(r"\b[A-Z]+(?:-[A-Z]+)*-\d+\b")
 
 
+DOCS_EXTRA = "mkdocs-material is not installed: pip install -e '.[docs]'"
+
+
 def site_hook():
-    """The MkDocs hook module, docs/hooks/kvconform_site.py."""
+    """The MkDocs hook module, docs/hooks/kvconform_site.py (it imports MkDocs)."""
+    pytest.importorskip("material", reason=DOCS_EXTRA)
     spec = importlib.util.spec_from_file_location("kvconform_site", ROOT / "docs" / "hooks" / "kvconform_site.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -33,7 +37,7 @@ def site_hook():
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site, built once into a temporary folder; any MkDocs warning fails the build (--strict)."""
-    pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("material", reason=DOCS_EXTRA)
     folder = tmp_path_factory.mktemp("site")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(folder)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -70,6 +70,7 @@ class FakeTools:
 def torch_and_uv_present(monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment already has torch 2.13.0 and uv, and no vLLM."""
     monkeypatch.setattr(install, "installed_version", lambda dist: "2.13.0+cpu" if dist == "torch" else None)
+    monkeypatch.setattr(install, "uv_installed", lambda: True)
 
 
 def installs(tools: FakeTools, version: str) -> str:

@@ -127,6 +127,11 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
+def uv_installed() -> bool:
+    """Return whether uv, the installer, can run as `python -m uv` in this environment."""
+    return importlib.util.find_spec("uv") is not None
+
+
 def last_line(completed: subprocess.CompletedProcess) -> str:
     """Return the line of a failed command's error output (else its output) that says why: a resolver's first
     "Because ...", else the last line."""
@@ -155,7 +160,7 @@ class Installer:
         elif not torch_version.startswith("2.13.0"):
             raise InstallError(f"this environment has torch {torch_version}; vLLM's scheduler side is installed "
                                f"over {TORCH} (CPU) only: use a fresh environment")
-        if importlib.util.find_spec("uv") is None:
+        if not uv_installed():
             self.say("kvconform: installing uv, the installer, with pip")
             self.pip("install", "uv")
 
