@@ -36,7 +36,7 @@ def test_known_failure_is_reported_not_fatal() -> None:
     """CONF-RUN-2: the seed mutant's clause listed as known: reported as a known failure, and the examples it
     ends report none of its consequences, so the run passes."""
     known = baseline.Baseline([baseline.Entry("OFF-READ-1", "the seed bug, vLLM PR #44592")])
-    result = runner.run(MUTANTS["skip-flag-ignored"].adapter, "skip-flag-ignored", "ci", baseline=known)
+    result = runner.run(MUTANTS["skip-flag-ignored"].adapter, "skip-flag-ignored", "smoke", baseline=known)
     assert "OFF-READ-1" in result.known_failures, result.message
     assert result.passed, result.message
 
@@ -55,14 +55,14 @@ def test_known_implementation_failure_goes_on_if_recovered() -> None:
     for recovered in (True, False):
         adapter = failing_reset(recovered)
         known = baseline.Baseline([baseline.Entry("OFF-MGR-8", "the connector reset fails")])
-        result = runner.run(adapter, "failing-reset", "ci", baseline=known)
+        result = runner.run(adapter, "failing-reset", "smoke", baseline=known)
         assert result.passed and "OFF-MGR-8" in result.known_failures, result.message
         assert (adapter.steps_after_failure > 0) is recovered, adapter.steps_after_failure
 
 
 def test_stale_known_failure_fails_the_run() -> None:
     """CONF-RUN-2: a listed clause that never fails makes the run fail as stale."""
-    result = runner.run(MUTANTS["skip-flag-ignored"].adapter.__mro__[1], "reference", "ci",
+    result = runner.run(MUTANTS["skip-flag-ignored"].adapter.__mro__[1], "reference", "smoke",
                         baseline=baseline.Baseline([baseline.Entry("OFF-READ-1", "no longer true")]))
     assert (result.passed, result.failed_clause) == (False, "CONF-RUN-2") and "OFF-READ-1" in result.message
 
