@@ -7,7 +7,6 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
-
 from xml.etree import ElementTree
 
 from pydantic import BaseModel, Field

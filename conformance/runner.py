@@ -24,7 +24,6 @@ from kvconform.conformance.operations import render
 from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone
 from kvconform.conformance.shrinker import Replay, Shrinker
 
-
 Outcome = Literal["ok", "fail", "info"]
 """Jepsen's outcomes: conformant, a clause failed, or unknown (an adapter call never returned, CONF-CALL-2)."""
 

@@ -12,9 +12,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from click.testing import CliRunner
+
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm import runtime
+from kvconform.cli import main
 from kvconform.common.values import (
     Capabilities,
     EngineConfig,
@@ -27,10 +29,8 @@ from kvconform.conformance import options, runner
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.connector_level import ConnectorJudge, check_async_loads, check_resident_bytes
 from kvconform.conformance.execution import Execution, Session, replay
-from kvconform.conformance.operations import Call
 from kvconform.conformance.mutants import black_box
-
-from kvconform.cli import main
+from kvconform.conformance.operations import Call
 
 PROMPT = (1, 2, 3, 0) * 4
 

@@ -6,6 +6,7 @@ Each test's docstring names the clause it tests; spec chapters list these tests 
 from __future__ import annotations
 
 import importlib
+
 import hypothesis.strategies as st
 import pytest
 import torch

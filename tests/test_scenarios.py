@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from faulty_adapters import faulty, hanging, negative_tokens, raising
 
+from faulty_adapters import faulty, hanging, negative_tokens, raising
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.cli import main
 from kvconform.common.values import EngineConfig

@@ -14,8 +14,8 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 from importlib import resources
+from typing import Any
 
 import pytest
 import torch

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.transfers import HeldTransfers, KVTensors

@@ -24,7 +24,6 @@ from kvconform.reference.kv_cache import BlockPool, KVCacheManager
 from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
 from kvconform.reference.request import RequestStatus
 
-
 # --- the seed rule: skip the read, still store -------------------------------------------------
 
 
