@@ -361,7 +361,7 @@ class Execution:
         resident = [set(judge.resident()) for judge in self.judges]
         for request_id in sorted(set().union(*resident)):
             kv = self.call("computed_kv", request_id)
-            for judge, requests in zip(self.judges, resident):
+            for judge, requests in zip(self.judges, resident, strict=True):
                 if request_id in requests:
                     judge.resident_kv(request_id, kv)
 

@@ -131,7 +131,9 @@ class Call:
         if operation.spread:
             args = self.args[0].model_dump(mode="json", exclude_defaults=self.operation == "add_request")
         else:
-            args = {parameter.name: parameter.write(value) for parameter, value in zip(operation.parameters, self.args)}
+            # A trailing optional parameter may be left out (`Call("step")`): the arguments may be fewer.
+            given = zip(operation.parameters, self.args, strict=False)
+            args = {parameter.name: parameter.write(value) for parameter, value in given}
         return {"op": self.operation, "args": args} if args else {"op": self.operation}
 
     @classmethod

@@ -230,7 +230,7 @@ class OffloadConnectorScheduler:
         num_gpu = cdiv(num_cached, self.block_size)
         indices = list(range(first_gpu // self.factor, cdiv(num_cached, self.offloaded_block_size)))
         keys = [self.offload_keys(request)[index] for index in indices]
-        rows = self.load_rows(dict(zip(indices, self.manager.prepare_load(keys))), first_gpu, num_gpu)
+        rows = self.load_rows(dict(zip(indices, self.manager.prepare_load(keys), strict=True)), first_gpu, num_gpu)
         job = self._new_job(state, False, indices, keys, list(block_ids[first_gpu:num_gpu]), rows)
         job.first_gpu_block = first_gpu
         state.next_stored_index = cdiv(num_cached, self.offloaded_block_size)  # OFF-STORE-1: the hit is stored
@@ -352,8 +352,8 @@ class OffloadConnectorScheduler:
 
     def _store_job(self, state: RequestOffloadState, block_ids: list[int], indices: list[int],
                    offered: list[OffloadKey], keys_to_store: list[OffloadKey], slots: list[int]) -> TransferJob:
-        slot_of = dict(zip(keys_to_store, slots))
-        stored = [(index, key) for index, key in zip(indices, offered) if key in slot_of]
+        slot_of = dict(zip(keys_to_store, slots, strict=True))
+        stored = [(index, key) for index, key in zip(indices, offered, strict=True) if key in slot_of]
         gpu_blocks, rows = [], []
         for index, key in stored:
             gpu_blocks += block_ids[index * self.factor : (index + 1) * self.factor]

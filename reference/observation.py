@@ -43,7 +43,7 @@ class Observer:
                                                 num_gpu_blocks=n) for r, i, first, n in trace.loads),
             store_offers=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i),
                                                         evicted=tuple(map(self.block_ref, evicted)))
-                               for (r, i), evicted in zip(trace.store_offers, trace.offer_evictions)),
+                               for (r, i), evicted in zip(trace.store_offers, trace.offer_evictions, strict=True)),
             stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
                          for r, i in trace.stores),
             evicted=tuple(map(self.block_ref, trace.evicted)),

@@ -128,7 +128,7 @@ def test_hash_chain_depends_on_every_earlier_block():
     assert len(hashes) == 3 and hashes[0] == hash_block(NONE_HASH, PROMPT[:4], ())
     assert hashes[1] == hash_block(hashes[0], PROMPT[4:8], ())
     changed = block_hashes((PROMPT[0] + 1,) + PROMPT[1:], 4)
-    assert all(a != b for a, b in zip(hashes, changed))
+    assert all(a != b for a, b in zip(hashes, changed, strict=True))
 
 
 def test_extra_keys_lora_every_block_salt_block_zero():
@@ -137,7 +137,7 @@ def test_extra_keys_lora_every_block_salt_block_zero():
     assert extra_keys("x", "s", 1) == ("lora:x",)
     assert extra_keys(None, "s", 1) == ()
     plain, salted = block_hashes(PROMPT, 4), block_hashes(PROMPT, 4, cache_salt="s")
-    assert all(a != b for a, b in zip(plain, salted))
+    assert all(a != b for a, b in zip(plain, salted, strict=True))
 
 
 def test_null_block_never_allocated():
@@ -709,7 +709,8 @@ def test_transfer_pairs_scattered_blocks():
     transfer.gpu[1:] = torch.rand(8, 4, 8).to(transfer.gpu.dtype)
     gpu_blocks, rows = [3, 4, 5, 1, 8, 7, 2, 6], [0, 1, 2, 6, 3, 4, 7, 5]
     transfer.copy_to_store(gpu_blocks, rows)
-    assert all(torch.equal(transfer.store[row], transfer.gpu[block]) for block, row in zip(gpu_blocks, rows))
+    assert all(torch.equal(transfer.store[row], transfer.gpu[block])
+               for block, row in zip(gpu_blocks, rows, strict=True))
     original = transfer.gpu.clone()
     transfer.gpu.zero_()
     transfer.copy_to_gpu(rows, gpu_blocks)

@@ -499,7 +499,7 @@ class VllmAdapter(KVConnectorAdapter):
         request's tokens fails KVC-MATCH-1 here, before vLLM's scheduler fails a bare assertion on it."""
         taken = (0, False) if self.skip_read_replaced(request) else tuple(result)
         answers = [self.trace.match_answers] + [self.trace.masked_answers] * (taken != tuple(result))
-        for answer, recorded in zip((taken, result), answers):
+        for answer, recorded in zip((taken, result), answers, strict=False):  # one answer where none was replaced
             recorded.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
                                         external_tokens=answer[0], load_async=answer[1]))
         if taken[0] is not None and num_computed_tokens + taken[0] > request.num_tokens:
