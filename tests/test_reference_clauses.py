@@ -525,7 +525,8 @@ def test_store_flushed_when_its_blocks_become_a_hit_if_declared(engine):
         e.add_request(RequestSpec(request_id="r1", prompt=PROMPT[:8] + (1, 1, 1, 1)))
         metas = []
         build = e.connector.build_connector_meta
-        e.connector.build_connector_meta = lambda output, deviations: metas.append(build(output, deviations)) or metas[-1]
+        e.connector.build_connector_meta = (  # this round's list and builder, bound now
+            lambda output, deviations, metas=metas, build=build: metas.append(build(output, deviations)) or metas[-1])
         e.step()
         assert metas[0].jobs_to_flush == ({0} if flush_on_hit else set())
 
