@@ -49,7 +49,8 @@ class ReferenceAdapter(KVConnectorAdapter):
         self.engine.add_request(request)
 
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
-        outcome = None if complete_transfers is None else (complete_transfers.fail_loads, complete_transfers.fail_stores)
+        outcome = (None if complete_transfers is None
+                   else (complete_transfers.fail_loads, complete_transfers.fail_stores))
         return self.observe(self.engine.step(outcome))
 
     def observe(self, result: StepResult) -> StepObservation:

@@ -288,7 +288,8 @@ def check_no_redundant_load(ctx: Context, ref: StepObservation, sut: StepObserva
         ctx.exercise("CONN-LOAD-2")
         hit_blocks = local.get(load.request_id, 0) // ctx.config.block_size
         if load.first_gpu_block < hit_blocks:
-            raise ClauseViolation("CONN-LOAD-2", f"{load!r} reloads GPU blocks below the local hit of {hit_blocks} blocks")
+            raise ClauseViolation("CONN-LOAD-2",
+                                  f"{load!r} reloads GPU blocks below the local hit of {hit_blocks} blocks")
 
 
 @check("OFF-KEY-2")
@@ -302,8 +303,8 @@ def check_loads_read_own_blocks(ctx: Context, ref: StepObservation, sut: StepObs
         foreign = [i for i in load.offload_indices
                    if ctx.identity(BlockRef(request_id=load.request_id, index=i)) not in held]
         if foreign:
-            raise ClauseViolation("OFF-KEY-2", f"{load!r} reads offloaded blocks {foreign}, which the store did not hold "
-                                               "for this request's prefix and tenant (cache_salt, LoRA)")
+            raise ClauseViolation("OFF-KEY-2", f"{load!r} reads offloaded blocks {foreign}, which the store did not "
+                                               "hold for this request's prefix and tenant (cache_salt, LoRA)")
 
 
 @check("XFER-SAFE-1")

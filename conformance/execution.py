@@ -41,7 +41,8 @@ from kvconform.reference.errors import InvalidCall
 
 DRAIN_STEP_LIMIT = 64
 """Steps a drain may take, every transfer completed before each, before the requests still unfinished count as stuck
-(LIFE-LIVE-1, KVC-LIVE-1): the bound where the harness completes transfers (`Capabilities.harness_completes_transfers`)."""
+(LIFE-LIVE-1, KVC-LIVE-1): the bound where the harness completes transfers
+(`Capabilities.harness_completes_transfers`)."""
 
 DEFAULT_DRAIN_TIMEOUT = 10.0
 """Seconds a drain steps a connector on its own clock, as vLLM's engine core steps while requests wait for remote KV,
@@ -56,7 +57,8 @@ Scheduling = Literal["sync", "async", "both"]
 
 
 class Diverged(Exception):
-    """A known failure happened: the implementation and the reference have diverged, so the example ends (CONF-RUN-2)."""
+    """A known failure happened: the implementation and the reference have diverged, so the example ends
+    (CONF-RUN-2)."""
 
 
 class RunStatistics(BaseModel):
@@ -102,7 +104,8 @@ class Session:
     """Seconds a drain waits for a connector on its own clock to go idle (`DEFAULT_DRAIN_TIMEOUT`)."""
     coverage: dict[str, int] = field(default_factory=dict)
     findings: dict[str, str] = field(default_factory=dict)
-    """Faults the engine's scheduler masked, by clause (`connector_level.check_masked_answers`): reported, not failed."""
+    """Faults the engine's scheduler masked, by clause (`connector_level.check_masked_answers`): reported, not
+    failed."""
     statistics: RunStatistics = field(default_factory=RunStatistics)
     observed_failure: ClauseViolation | None = None
     """The run's first failure as it happened, carrying its program: the evidence where a replay does not fail again,

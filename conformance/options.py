@@ -102,7 +102,8 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
             scheduling: str = "both", call_timeout: float = DEFAULT_CALL_TIMEOUT,
             known_failures_path: Path | None = None, report_path: Path | None = None,
             junit_path: Path | None = None, certify: bool = False,
-            database: str = examples.DEFAULT_DATABASE, drain_timeout: float | str = DEFAULT_DRAIN_TIMEOUT) -> RunOptions:
+            database: str = examples.DEFAULT_DATABASE,
+            drain_timeout: float | str = DEFAULT_DRAIN_TIMEOUT) -> RunOptions:
     """Return the checked options of a run, or raise UsageProblem naming the first mistake.
 
     `database` is a directory, a Redis URL or `none` (`examples.open_database`)."""

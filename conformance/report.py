@@ -79,10 +79,10 @@ class RunReport(BaseModel):
     profile: str = Field(description="the Hypothesis profile: ci, dev or thorough")
     seed: int | None = Field(description="the --seed given, or None")
     scheduling: Scheduling = Field(description="the scheduling modes drawn from")
-    findings: dict[str, str] = Field({}, description="clause -> a fault of the connector's own answer that this release's "
-                                                     "scheduler masked (replaced the answer before using it): not a "
-                                                     "failure here, a failure on releases that take the answer as "
-                                                     "given")
+    findings: dict[str, str] = Field({}, description="clause -> a fault of the connector's own answer that this "
+                                                     "release's scheduler masked (replaced the answer before using "
+                                                     "it): not a failure here, a failure on releases that take the "
+                                                     "answer as given")
     drain_timeout: float | None = Field(None, description="seconds a drain waited at most for a connector on its own "
                                                           "clock to go idle (--drain-timeout); None where the harness "
                                                           "completes the adapter's transfers")

@@ -99,7 +99,8 @@ class Shrinker:
                     break
                 if time.perf_counter() >= cap:
                     best.violation.detail += (f" (shrinking stopped at the {self.cap_seconds:g} s safety cap after "
-                                              f"{self.replays} of {self.attempts} replays: a smaller program may fail too)")
+                                              f"{self.replays} of {self.attempts} replays: a smaller program may "
+                                              "fail too)")
                     return best
                 replay = self.fails_alike(candidate, failure)
                 if replay is not None and size(replay.program) < size(best.program):

@@ -48,7 +48,8 @@ class Observer:
                          for r, i in trace.stores),
             evicted=tuple(map(self.block_ref, trace.evicted)),
             completed_loads=tuple(LoadJob.model_construct(request_id=r, offload_indices=tuple(i), first_gpu_block=first,
-                                                          num_gpu_blocks=n) for r, i, first, n in trace.completed_loads),
+                                                          num_gpu_blocks=n)
+                                  for r, i, first, n in trace.completed_loads),
             completed_stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
                                    for r, i in trace.completed_stores),
             flushed_stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())

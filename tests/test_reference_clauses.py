@@ -95,8 +95,8 @@ def loading(engine) -> Engine:
 @pytest.fixture
 def conn():
     def make(slots: int = 8, factor: int = 1, policy: str = "lru") -> OffloadConnectorScheduler:
-        return OffloadConnectorScheduler(OffloadManager(slots, policy), EngineConfig(block_size=4, block_size_factor=factor),
-                                         StepRecorder())
+        return OffloadConnectorScheduler(OffloadManager(slots, policy),
+                                         EngineConfig(block_size=4, block_size_factor=factor), StepRecorder())
     return make
 
 
@@ -317,7 +317,8 @@ def test_reset_connector_empties_store(primed):
     """OFF-MGR-8: reset_prefix_cache(reset_connector=True) empties the offload store."""
     assert len(primed.manager.contents()) == 3
     assert primed.reset_prefix_cache(reset_connector=True) is True
-    assert primed.manager.contents() == [] and primed.manager.lookup(primed.connector.offload_keys(primed.requests["r0"])[0]) is False
+    first_key = primed.connector.offload_keys(primed.requests["r0"])[0]
+    assert primed.manager.contents() == [] and primed.manager.lookup(first_key) is False
 
 
 def test_store_events():
@@ -613,7 +614,8 @@ def test_meta_carries_loads_stores_and_flushes(conn):
     c.update_state_after_alloc(r, [1, 2, 3], 12)
     meta = c.build_connector_meta(sched_output(s, 8, [4, 5], preempted=["s"]))
     assert [j.request_id for j in meta.load_jobs] == ["r"] and [j.request_id for j in meta.store_jobs] == ["s"]
-    assert c.build_connector_meta(sched_output(s, 0, [4, 5], preempted=["s"])).jobs_to_flush == {meta.store_jobs[0].job_id}
+    flushed = c.build_connector_meta(sched_output(s, 0, [4, 5], preempted=["s"])).jobs_to_flush
+    assert flushed == {meta.store_jobs[0].job_id}
 
 
 def test_worker_flushes_before_loads():
@@ -724,7 +726,8 @@ def test_kv_content_deterministic():
     again = kv_content.token_states(kv_content.initial_state(None, None), PROMPT[:5] + (0,), states[:5])
     assert again[:5] == states[:5] and again[5] != states[5]
     assert kv_content.initial_state(None, "a") != kv_content.initial_state(None, None)
-    assert torch.equal(kv_content.kv_values(states, 8, torch.float16), kv_content.kv_values(list(states), 8, torch.float16))
+    assert torch.equal(kv_content.kv_values(states, 8, torch.float16),
+                       kv_content.kv_values(list(states), 8, torch.float16))
 
 
 def test_next_token_deterministic():
@@ -1100,7 +1103,8 @@ def test_delayed_free_released_when_jobs_end(conn):
 
 
 def test_store_flushed_before_blocks_reused(conn):
-    """LIFE-FREE-2: an in-flight store is flushed in the step its GPU blocks are reallocated or its request preempted."""
+    """LIFE-FREE-2: an in-flight store is flushed in the step its GPU blocks are reallocated or its request
+    preempted."""
     c = conn()
     r, s = req("r"), req("s", (1,) * 8)
     c.on_new_request(r)
@@ -1161,7 +1165,8 @@ def test_programs_do_not_depend_on_imports(monkeypatch, tmp_path):
         result = runner.run(ReferenceAdapter, "reference", "short")
         return result.statistics.rules, result.statistics.steps, dict(result.coverage)
     before = drawn()
-    (tmp_path / "adapter_constants.py").write_text(f"SIZES = {list(range(300))}\nNAMES = {[f'r{i}' for i in range(50)]}\n")
+    (tmp_path / "adapter_constants.py").write_text(f"SIZES = {list(range(300))}\n"
+                                                   f"NAMES = {[f'r{i}' for i in range(50)]}\n")
     monkeypatch.syspath_prepend(tmp_path)
     importlib.import_module("adapter_constants")
     assert drawn() == before

@@ -556,11 +556,13 @@ class VllmAdapter(KVConnectorAdapter):
         trace = self.trace
         observation = dict(
             scheduled_tokens=trace.scheduled_tokens,
-            computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items() if not q.is_finished()},
+            computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items()
+                             if not q.is_finished()},
             preempted=tuple(sorted(trace.preempted)), promoted=dict(trace.promoted),
             match_answers=tuple(trace.match_answers), masked_answers=tuple(trace.masked_answers),
             finished=tuple(trace.finished), freed=tuple(trace.freed),
-            forward_writes=frozenset(trace.forward_writes), store_reads_in_flight=frozenset(trace.store_reads_in_flight),
+            forward_writes=frozenset(trace.forward_writes),
+            store_reads_in_flight=frozenset(trace.store_reads_in_flight),
             loads_finished=tuple(trace.loads_finished), loads_failed=tuple(trace.loads_failed),
             free_delayed=tuple(trace.free_delayed), saves_finished=tuple(trace.saves_finished),
         )

@@ -141,7 +141,8 @@ class LoadOffsetIgnoredConnector(OffloadConnectorScheduler):
     """vLLM #28951: a load that starts inside an offloaded block counts positions from the load's first block."""
 
     def load_rows(self, slot_of, first_gpu, num_gpu):
-        return [slot_of[p // self.factor] * self.factor + (p - first_gpu) % self.factor for p in range(first_gpu, num_gpu)]
+        return [slot_of[p // self.factor] * self.factor + (p - first_gpu) % self.factor
+                for p in range(first_gpu, num_gpu)]
 
 
 class ReorderedLoadConnector(OffloadConnectorScheduler):
@@ -532,8 +533,9 @@ class NegativeSkipAnswerAdapter(ReferenceAdapter):
     def observe(self, result):
         observation = super().observe(result)
         skipping = {r for r, request in self.engine.requests.items() if request.skip_reading_prefix_cache}
-        answers = tuple(a.model_copy(update={"external_tokens": -1}) if a.request_id in skipping and a.external_tokens == 0
-                        else a for a in observation.match_answers)
+        answers = tuple(a.model_copy(update={"external_tokens": -1})
+                        if a.request_id in skipping and a.external_tokens == 0 else a
+                        for a in observation.match_answers)
         return observation.model_copy(update={"match_answers": answers})
 
 
@@ -571,7 +573,8 @@ class FailedLoadKeptEngine(Engine):
     """A failed load's tokens stay counted as computed: kv_load_failure_policy="recompute" ignored."""
 
     def _process(self, batch):
-        loading = {r: q.num_computed_tokens for r, q in self.requests.items() if q.status is RequestStatus.WAITING_FOR_LOAD}
+        loading = {r: q.num_computed_tokens for r, q in self.requests.items()
+                   if q.status is RequestStatus.WAITING_FOR_LOAD}
         super()._process(batch)
         for request_id, num_computed in loading.items():
             if self.loads_done.get(request_id) is False:
