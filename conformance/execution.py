@@ -163,8 +163,7 @@ class Execution:
         self.caller = AdapterCaller(session.call_timeout)
         self.judges: list[Judge] = []
         """One per level judged, the deeper level first; built at `start`."""
-        self.state: EngineState | None = None
-        """Where the engine's requests are, as the deepest level's judge follows them; set at `start`."""
+        self._state: EngineState | None = None
         self.capabilities = Capabilities()
         self.requests: dict[str, RequestSpec] = {}
         """The requests added so far, by id."""
@@ -227,6 +226,13 @@ class Execution:
         """Return True once the engine started: its judges are built."""
         return bool(self.judges)
 
+    @property
+    def state(self) -> EngineState:
+        """Return where the engine's requests are, as the deepest level's judge follows them; set at `start`."""
+        if self._state is None:
+            raise RuntimeError("an execution has no engine state before its program's start call")
+        return self._state
+
     def allows(self, call: Call) -> bool:
         """Return True if the engine's state lets `call` run: its request exists and is in the right state."""
         if call.operation == "start":
@@ -261,7 +267,7 @@ class Execution:
     def _start(self, config: EngineConfig) -> None:
         levels = judged_levels(self.capabilities)
         self.judges = [judge(self, config) for level, judge in JUDGES.items() if level in levels]
-        self.state = self.judges[0]
+        self._state = self.judges[0]
         self.call("start", config)
 
     def _add_request(self, spec: RequestSpec) -> None:
