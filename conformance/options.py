@@ -128,7 +128,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
         raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
     shipped, ships_any = baseline.shipped(adapter_module(adapter_spec), version)
     files = tuple(path for path in (shipped, known_failures_path) if path is not None)
-    files = files[:1] if len(files) == 2 and Path(str(files[0])).resolve() == files[1].resolve() else files
+    files = files[:1] if len(files) == 2 and Path(str(files[0])).resolve() == Path(str(files[1])).resolve() else files
     unverified = None
     if ships_any and not shipped:
         unverified = (f"{version} has no verdict table in kvconform (no shipped known-failures file "
