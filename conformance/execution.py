@@ -58,7 +58,14 @@ Scheduling = Literal["sync", "async", "both"]
 
 class Diverged(Exception):
     """A known failure happened: the implementation and the reference have diverged, so the example ends
-    (CONF-RUN-2)."""
+    (CONF-RUN-2). Raised from the known failure's violation."""
+
+    @property
+    def known_failure(self) -> ClauseViolation:
+        """Return the violation of the known failure, which this was raised from."""
+        if not isinstance(self.__cause__, ClauseViolation):
+            raise RuntimeError(f"Diverged must be raised from a ClauseViolation, not {self.__cause__!r}")
+        return self.__cause__
 
 
 class RunStatistics(BaseModel):

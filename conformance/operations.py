@@ -139,7 +139,7 @@ class Call:
     @classmethod
     def from_json(cls, data: Any) -> Call:
         """Return the call that a `{"op": ..., "args": {...}}` object stands for; raise ProgramError if none."""
-        operation = OPERATIONS.get(data.get("op")) if isinstance(data, dict) else None
+        operation = OPERATIONS.get(data.get("op", "")) if isinstance(data, dict) else None
         args = data.get("args", {}) if isinstance(data, dict) else None
         if operation is None or not isinstance(args, dict):
             raise ProgramError(f"{data!r}: 'op' must be one of {', '.join(OPERATIONS)}, 'args' an object")

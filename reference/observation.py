@@ -77,7 +77,8 @@ class Observer:
 
     def store_contents(self) -> StoreSnapshot:
         """Return the blocks the store holds, readable or still being stored (OFF-MGR-1)."""
-        ready, storing = set(), set()
+        ready: set[BlockRef] = set()
+        storing: set[BlockRef] = set()
         for key, block in self.engine.manager.contents():
             (ready if block.is_ready else storing).add(self.block_ref(key))
         return StoreSnapshot.model_construct(ready=frozenset(ready), storing=frozenset(storing))
