@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -46,9 +47,9 @@ DEFAULT_MANIFEST = {"async_scheduling": True, "eviction_policies": ("lru",), "bl
 """What a connector is asked for unless its seam or manifest says more: its store's policy and chunking are its own,
 and so is its clock: its transfers finish when its own threads finish them, unless a seam holds them."""
 
-SEAMS: dict[str, type[TransferSeam]] = {"OffloadingConnector": OffloadingSeam,
-                                         "SimpleCPUOffloadConnector": SimpleCPUSeam,
-                                         "LMCacheConnectorV1": LMCacheSeam}
+SEAMS: dict[str, Callable[[VllmAdapter], TransferSeam]] = {"OffloadingConnector": OffloadingSeam,
+                                                            "SimpleCPUOffloadConnector": SimpleCPUSeam,
+                                                            "LMCacheConnectorV1": LMCacheSeam}
 """The CPU seams of connectors whose workers copy with CUDA, by factory name (`lmcache.py` for LMCache's)."""
 
 

@@ -136,7 +136,8 @@ class MixinGlue:
 
     def install(self) -> None:
         """Make this adapter's worker-side connector vLLM's process-wide KV transfer group."""
-        self.rt.load("vllm.distributed.kv_transfer.kv_transfer_state")._KV_CONNECTOR_AGENT = self.worker
+        state = self.rt.load("vllm.distributed.kv_transfer.kv_transfer_state")
+        state._KV_CONNECTOR_AGENT = self.worker  # type: ignore[attr-defined]  # vLLM's module global, unknown to mypy
 
     def no_forward(self, scheduler_output: Any) -> Any:
         self.worker.handle_preemptions(scheduler_output.kv_connector_metadata)
@@ -177,7 +178,7 @@ SKIP_READ_REPLACEMENT = re.compile(r"get_num_new_matched_tokens\([^)]*\)\s*\)?\s
 
 
 @functools.cache
-def skip_read_condition(scheduler_class: type) -> Any:
+def skip_read_condition(scheduler_class: type[Any]) -> Any:
     """Return the compiled condition under which the release's scheduler replaces a connector's answer by (0, False),
     read from the code it runs, or None where it takes every answer as given (0.23, 0.24): the behaviour, never the
     version, decides how the answer the scheduler took is recorded (KVC-SKIP-1)."""
@@ -234,6 +235,9 @@ class VllmAdapter(KVConnectorAdapter):
     connector_name: str = ""
     seam: TransferSeam = TransferSeam()
     """How the connector's transfers run on this CPU-only machine; subclasses set theirs."""
+    gpu_cache_reset: bool
+    """What the GPU prefix cache's own reset last answered (recorded from `start` on): the result a failed
+    `reset_prefix_cache` recovers with."""
 
     def __init__(self) -> None:
         self.rt = runtime.load()
@@ -511,7 +515,8 @@ class VllmAdapter(KVConnectorAdapter):
     def skip_read_replaced(self, request: Any) -> bool:
         """Return whether the release's scheduler replaces this request's answer by (0, False) itself, as its own
         `schedule` says right after asking the connector (`skip_read_condition`)."""
-        condition = skip_read_condition(type(self.scheduler))
+        # vLLM's scheduler is untyped here: mypy does not count its class, type[Any], as Hashable
+        condition = skip_read_condition(type(self.scheduler))  # type: ignore[arg-type]
         return condition is not None and bool(eval(condition, {}, {"request": request, "self": self.scheduler}))
 
     def _record_finish_answer(self, result: tuple[bool, Any], request: Any, *args: Any) -> None:
