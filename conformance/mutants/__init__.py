@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.common.values import Capabilities, SpecLevel
+from kvconform.common.values import Capabilities, EngineConfig, SpecLevel
 from kvconform.reference.connector import NO_DEVIATIONS, OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine, OwnPolicy
 from kvconform.reference.hashing import block_hashes
@@ -65,8 +67,8 @@ class HitOneBlockShortConnector(OffloadConnectorScheduler):
     """Answers a run of offloaded blocks found in the store one block short (off by one): the last block found is
     recomputed instead of loaded."""
 
-    def _lookup(self, state):
-        hits = super()._lookup(state)
+    def _lookup(self, state, lookup_end=None):
+        hits = super()._lookup(state, lookup_end)
         return max(hits - self.offloaded_block_size, 0) if hits else hits
 
 
@@ -87,10 +89,10 @@ class HitWhileLoadingConnector(OffloadConnectorScheduler):
     """A hit on blocks still being loaded for another request is answered at once instead of deferred (None) until
     that load ends."""
 
-    def _lookup(self, state):
+    def _lookup(self, state, lookup_end=None):
         loading, self.keys_being_loaded = self.keys_being_loaded, set()
         try:
-            return super()._lookup(state)
+            return super()._lookup(state, lookup_end)
         finally:
             self.keys_being_loaded = loading | self.keys_being_loaded
 
@@ -98,8 +100,8 @@ class HitWhileLoadingConnector(OffloadConnectorScheduler):
 class LookupPastMissConnector(OffloadConnectorScheduler):
     """The lookup does not stop at the first miss: it probes every remaining block."""
 
-    def _lookup(self, state):
-        hits = super()._lookup(state)
+    def _lookup(self, state, lookup_end=None):
+        hits = super()._lookup(state, lookup_end)
         request = state.request
         looked_up = self.recorder.lookups.get(request.request_id, [])
         for index in range(looked_up[-1] + 1 if looked_up else 0, len(self.offload_keys(request))):
@@ -221,13 +223,28 @@ class ResetKeepsStoreManager(OffloadManager):
         return None
 
 
+class KeptKeysIgnoredLRUPolicy(LRUPolicy):
+    """LRU that chooses its victims as if no key were to be kept."""
+
+    def choose(self, count, protected):
+        return super().choose(count, set())
+
+
+class KeptKeysIgnoredARCPolicy(ARCPolicy):
+    """ARC that chooses its victims as if no key were to be kept."""
+
+    def choose(self, count, protected):
+        return super().choose(count, set())
+
+
 class EvictsKeptKeysManager(OffloadManager):
     """vLLM #35846: prepare_store evicted keys it had been asked to keep (the protected set is ignored)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        choose = self.policy.choose
-        self.policy.choose = lambda count, protected: choose(count, set())
+        policies: dict[str, type[LRUPolicy | ARCPolicy]] = {"lru": KeptKeysIgnoredLRUPolicy,
+                                                             "arc": KeptKeysIgnoredARCPolicy}
+        self.policy = policies[self.policy_name](self.num_slots)
 
 
 class TouchIgnoredLRUPolicy(LRUPolicy):
@@ -283,7 +300,8 @@ class EvictsPinnedManager(OffloadManager):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.policy = {"lru": PinIgnoredLRUPolicy, "arc": PinIgnoredARCPolicy}[self.policy_name](self.num_slots)
+        policies: dict[str, type[LRUPolicy | ARCPolicy]] = {"lru": PinIgnoredLRUPolicy, "arc": PinIgnoredARCPolicy}
+        self.policy = policies[self.policy_name](self.num_slots)
 
     def prepare_load(self, keys):
         evictable = self.num_evictable  # a pinned block stays evictable
@@ -626,11 +644,13 @@ class Mutant:
 def engine_adapter(part: type) -> type[ReferenceAdapter]:
     """Return a reference adapter, named after `part`, whose engines are that Engine subclass or the reference
     `Engine` given that part through its constructor."""
+    engine: Callable[[EngineConfig, torch.device | None], Engine]
     if issubclass(part, Engine):
         engine = part
     else:
         keyword = next(keyword for base, keyword in PART_KEYWORDS.items() if issubclass(part, base))
-        engine = functools.partial(Engine, **{keyword: part})
+        given: dict[str, Any] = {keyword: part}  # the Engine parameter that takes a part of that base
+        engine = functools.partial(Engine, **given)
 
     def __init__(self: ReferenceAdapter, device: torch.device | None = None) -> None:
         ReferenceAdapter.__init__(self, device, engine=engine)
