@@ -235,7 +235,7 @@ def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: fl
     click.echo(f"kvconform: adapter {adapter_spec} {run.implementation_version}, "
                + "".join(f"{name} {value}, " for name, value in given.items() if value is not None)
                + f"call timeout {call_timeout:g}s", err=True)
-    session = Session(run.factory, run.call_timeout, baseline=Baseline(dict(run.known_failures)))
+    session = Session(run.factory, run.call_timeout, baseline=Baseline(list(run.known_entries)))
     stdout = _stdout()
     statuses = [_replay_scenario(stdout, session, adapter_spec, replay) if isinstance(replay, scenarios.Scenario)
                 else _replay_program(stdout, session, adapter_spec, *replay) for replay in replays]
