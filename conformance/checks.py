@@ -56,6 +56,13 @@ class ClauseViolation(AssertionError):
         self.calls: list[str] = []
         """The adapter calls that execution made, which stand for the program when it failed before `start`."""
 
+    @property
+    def executed_program(self) -> list:
+        """Return the program of the execution the violation ended (`program`), which every execution sets."""
+        if self.program is None:
+            raise RuntimeError(f"[{self.clause}] was raised outside an execution: it carries no program")
+        return self.program
+
 
 @dataclass
 class Check:

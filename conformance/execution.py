@@ -120,6 +120,13 @@ class Session:
     capabilities: Capabilities | None = None
     """What the adapter claimed to support, as the latest execution read it (CONF-CAP-1)."""
 
+    @property
+    def adapter_capabilities(self) -> Capabilities:
+        """Return what the adapter claimed to support, once an execution has read it (CONF-CAP-1)."""
+        if self.capabilities is None:
+            raise RuntimeError("the session has no adapter capabilities before an execution began")
+        return self.capabilities
+
 
 class EngineState(Protocol):
     """Where the engine's requests are, as a judge follows them: for the state machine's preconditions and the drain."""
@@ -388,6 +395,13 @@ class Replay:
 
     program: list[Call]
     violation: ClauseViolation | None
+
+    @property
+    def failure(self) -> ClauseViolation:
+        """Return the violation of a replay that failed: the counterexample's."""
+        if self.violation is None:
+            raise RuntimeError("the replay ended without a violation: it is no counterexample")
+        return self.violation
 
 
 def replay(session: Session, program: list[Call]) -> Replay:
