@@ -88,7 +88,7 @@ class Shrinker:
         reproduced = sum(fails_as(self.replay(failing.program), failure) for _ in range(self.tries))
         if reproduced < self.tries:
             failing.failure.detail += (f" (observed; {reproduced} of {self.tries} replays of this program failed the "
-                                         "same way: the adapter is not deterministic)")
+                                       "same way: the adapter is not deterministic)")
         if not reproduced:
             return failing
         progress = True
@@ -99,8 +99,8 @@ class Shrinker:
                     break
                 if time.perf_counter() >= cap:
                     best.failure.detail += (f" (shrinking stopped at the {self.cap_seconds:g} s safety cap after "
-                                              f"{self.replays} of {self.attempts} replays: a smaller program may "
-                                              "fail too)")
+                                            f"{self.replays} of {self.attempts} replays: a smaller program may fail "
+                                            "too)")
                     return best
                 replay = self.fails_alike(candidate, failure)
                 if replay is not None and size(replay.program) < size(best.program):
