@@ -102,5 +102,5 @@ class KVConnectorAdapter(abc.ABC):
     def resource_usage(self) -> ResourceUsage:
         """Return the counters that must be zero when idle."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- an optional hook: an adapter with nothing to release keeps the no-op
         """Release resources; the default does nothing."""

@@ -32,8 +32,22 @@ class ReferenceAdapter(KVConnectorAdapter):
         """`engine` builds the engine that each `start` runs: the reference `Engine`, or one a mutant assembles."""
         self.device = device
         self.build_engine = engine
-        self.engine: Engine | None = None
-        self.observer: Observer | None = None
+        self._engine: Engine | None = None
+        self._observer: Observer | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """Return the engine the last `start` built."""
+        if self._engine is None:
+            raise RuntimeError(f"{self.name} has no engine before start(config)")
+        return self._engine
+
+    @property
+    def observer(self) -> Observer:
+        """Return the observer of the engine the last `start` built."""
+        if self._observer is None:
+            raise RuntimeError(f"{self.name} has no engine to observe before start(config)")
+        return self._observer
 
     def implementation_version(self) -> str:
         return kvconform.__version__
@@ -42,14 +56,15 @@ class ReferenceAdapter(KVConnectorAdapter):
         return Capabilities(complete_in_step=True, reads_stored_kv=True)
 
     def start(self, config: EngineConfig) -> None:
-        self.engine = self.build_engine(config, self.device)
-        self.observer = Observer(self.engine)
+        self._engine = self.build_engine(config, self.device)
+        self._observer = Observer(self._engine)
 
     def add_request(self, request: RequestSpec) -> None:
         self.engine.add_request(request)
 
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
-        outcome = None if complete_transfers is None else (complete_transfers.fail_loads, complete_transfers.fail_stores)
+        outcome = (None if complete_transfers is None
+                   else (complete_transfers.fail_loads, complete_transfers.fail_stores))
         return self.observe(self.engine.step(outcome))
 
     def observe(self, result: StepResult) -> StepObservation:

@@ -219,11 +219,12 @@ class Capabilities(_Frozen):
     restart_offers_on_lookup: tuple[bool, ...] = Field((False,), description="whether each lookup of a request makes "
                                                                                "it offer its blocks from the first one "
                                                                                "again (OFF-STORE-7)")
-    harness_completes_transfers: bool = Field(True, description="transfers finish when the harness completes them "
-                                                                 "(a seam holds them), so the adapter is deterministic; "
-                                                                 "False for a connector on its own clock, whose threads "
-                                                                 "finish them: the harness steps it until idle or a "
-                                                                 "deadline (KVC-ASYNC-1, KVC-LIVE-1)")
+    harness_completes_transfers: bool = Field(True, description="transfers finish when the harness completes "
+                                                                 "them (a seam holds them), so the adapter is "
+                                                                 "deterministic; False for a connector on its own "
+                                                                 "clock, whose threads finish them: the harness steps "
+                                                                 "it until idle or a deadline (KVC-ASYNC-1, "
+                                                                 "KVC-LIVE-1)")
     complete_in_step: bool = Field(False, description="step(complete_transfers=…) finishes the transfers in flight "
                                                       "inside the step, where the worker polls its jobs")
     levels: tuple[SpecLevel, ...] = Field(("connector", "offloading"), description="the spec levels whose "

@@ -23,14 +23,21 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
-from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.spec import registry
+
+if TYPE_CHECKING:  # annotations only; Python 3.10 has Traversable in importlib.abc, 3.11 moved it
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 ENTRY = re.compile(r"^(?P<clause>[A-Z]+(?:-[A-Z]+)*-\d+)\s*(?P<rare>\[rare\])?\s*"
                    r"(?:/(?P<cause>(?:[^/\\]|\\.)+)/)?\s*:\s*(?P<reason>\S.*)$")

@@ -56,6 +56,13 @@ class ClauseViolation(AssertionError):
         self.calls: list[str] = []
         """The adapter calls that execution made, which stand for the program when it failed before `start`."""
 
+    @property
+    def executed_program(self) -> list:
+        """Return the program of the execution the violation ended (`program`), which every execution sets."""
+        if self.program is None:
+            raise RuntimeError(f"[{self.clause}] was raised outside an execution: it carries no program")
+        return self.program
+
 
 @dataclass
 class Check:
@@ -104,7 +111,7 @@ class Context:
     facts: StepFacts = field(default_factory=StepFacts)
     """What the reference's latest step did that its observation does not show (`reference.engine.StepFacts`)."""
     followed: FollowedSchedule | None = None
-    """The adapter's scheduling choices in the step being judged, which the reference followed."""
+    """The adapter's scheduling choices in the step being judged, which the reference followed; set by each step."""
     previous_store: StoreSnapshot = field(default_factory=lambda: StoreSnapshot(ready=frozenset(), storing=frozenset()))
     previous_pinned: frozenset[bytes] = frozenset()
     """The blocks, by identity, that loads still read at the end of the previous step (OFF-MGR-3)."""
@@ -113,6 +120,13 @@ class Context:
     hashes: dict[BlockRef, bytes] = field(default_factory=dict)
     jobs_in_flight: Counter[JobName] = field(default_factory=Counter)
     """The adapter's transfer jobs created and not yet reported finished (CONN-STEP-4)."""
+
+    @property
+    def followed_schedule(self) -> FollowedSchedule:
+        """Return the adapter's scheduling choices that the reference followed in the step being judged."""
+        if self.followed is None:
+            raise RuntimeError("no followed schedule: a step's checks run after the reference followed the step")
+        return self.followed
 
     def identity(self, ref: BlockRef) -> bytes:
         """Return the block hash that a `BlockRef` stands for (CONF-OBS-2); a request's hashes never change."""
@@ -288,7 +302,8 @@ def check_no_redundant_load(ctx: Context, ref: StepObservation, sut: StepObserva
         ctx.exercise("CONN-LOAD-2")
         hit_blocks = local.get(load.request_id, 0) // ctx.config.block_size
         if load.first_gpu_block < hit_blocks:
-            raise ClauseViolation("CONN-LOAD-2", f"{load!r} reloads GPU blocks below the local hit of {hit_blocks} blocks")
+            raise ClauseViolation("CONN-LOAD-2",
+                                  f"{load!r} reloads GPU blocks below the local hit of {hit_blocks} blocks")
 
 
 @check("OFF-KEY-2")
@@ -302,8 +317,8 @@ def check_loads_read_own_blocks(ctx: Context, ref: StepObservation, sut: StepObs
         foreign = [i for i in load.offload_indices
                    if ctx.identity(BlockRef(request_id=load.request_id, index=i)) not in held]
         if foreign:
-            raise ClauseViolation("OFF-KEY-2", f"{load!r} reads offloaded blocks {foreign}, which the store did not hold "
-                                               "for this request's prefix and tenant (cache_salt, LoRA)")
+            raise ClauseViolation("OFF-KEY-2", f"{load!r} reads offloaded blocks {foreign}, which the store did not "
+                                               "hold for this request's prefix and tenant (cache_salt, LoRA)")
 
 
 @check("XFER-SAFE-1")
@@ -392,7 +407,7 @@ def check_schedule_held(ctx: Context, ref: StepObservation, sut: StepObservation
     alike, could allocate them; an admission, for the request's full sequence."""
     if sut.scheduled_tokens:
         ctx.exercise("SCHED-ALLOC-1")
-    if ctx.followed.admitted:
+    if ctx.followed_schedule.admitted:
         ctx.exercise("SCHED-ADMIT-1")
     for clause, why in ctx.facts.refused:
         raise ClauseViolation(clause, why)
@@ -404,7 +419,7 @@ def check_running_first(ctx: Context, ref: StepObservation, sut: StepObservation
     preempted one."""
     running = set(ctx.facts.running_at_schedule)
     scheduled = list(sut.scheduled_tokens)
-    admitted = sorted(ctx.followed.admitted)
+    admitted = sorted(ctx.followed_schedule.admitted)
     if running and admitted:
         ctx.exercise("SCHED-ORDER-1")
     first_waiting = next((position for position, r in enumerate(scheduled) if r not in running), len(scheduled))
@@ -424,7 +439,7 @@ def check_block_holders_first(ctx: Context, ref: StepObservation, sut: StepObser
     Left behind a request that cannot fit while it holds the blocks that one needs, neither could ever run.
     """
     ready = ctx.facts.ready_holders
-    considered = list(ctx.followed.considered)
+    considered = list(ctx.followed_schedule.considered)
     others = [r for r in considered if r not in ready]
     if not ready or not others:
         return

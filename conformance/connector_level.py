@@ -94,10 +94,12 @@ class ConnectorJudge:
 
     def admitted_loads(self, observation: StepObservation) -> set[str]:
         """Return the requests whose asynchronous load the step admitted: answered with a load and left waiting with
-        the hit counted as computed. vLLM accepts its report from that very step on (`_update_from_kv_xfer_finished`)."""
+        the hit counted as computed. vLLM accepts its report from that very step on
+        (`_update_from_kv_xfer_finished`)."""
         return {answer.request_id for answer in observation.match_answers
                 if answer.load_async and answer.external_tokens and answer.external_tokens > 0
-                and observation.computed_tokens.get(answer.request_id) == answer.local_hit_tokens + answer.external_tokens}
+                and observation.computed_tokens.get(answer.request_id)
+                == answer.local_hit_tokens + answer.external_tokens}
 
     def story(self, request_id: str) -> str:
         """Return what led to a request's bytes: its latest load and the preemption before it, in words."""
@@ -145,7 +147,8 @@ class ConnectorJudge:
         return bool(self.trace.loading or self.trace.delayed)
 
     def busy(self) -> bool:
-        """Return True while the adapter may still have work for a step: a request, a delayed free, a load, an output."""
+        """Return True while the adapter may still have work for a step: a request, a delayed free, a load, an
+        output."""
         trace = self.trace
         return bool(trace.unfinished or trace.delayed or trace.loading or trace.in_flight)
 
@@ -224,9 +227,10 @@ def record_masked(judge: ConnectorJudge, fault: ClauseViolation) -> None:
     """Keep the fault of an answer the engine's scheduler replaced before using it as a finding, not a failure: this
     release masks it; a release that takes the connector's answer as given fails it (vLLM 0.23, 0.24 for a skip-read
     request)."""
-    judge.execution.session.findings.setdefault(fault.clause, f"{fault.detail}; masked by this release's scheduler, which replaced the "
-                                            "answer before using it; it fails on releases that take the connector's "
-                                            "answer as given (vLLM 0.23, 0.24)")
+    judge.execution.session.findings.setdefault(fault.clause, f"{fault.detail}; masked by this release's scheduler, "
+                                                              "which replaced the answer before using it; it fails on "
+                                                              "releases that take the connector's answer as given "
+                                                              "(vLLM 0.23, 0.24)")
 
 
 @check("KVC-MATCH-1", kind="connector")
@@ -271,8 +275,8 @@ def check_hits_were_computed(judge: ConnectorJudge, observation: StepObservation
         if covered <= judge.history.requests[answer.request_id].max_kv_tokens and not judge.history.was_computed(
                 answer.request_id, covered):
             spec = judge.requests[answer.request_id]
-            raise ClauseViolation("KVC-HIT-1", f"request {answer.request_id!r}: the connector offers the KV of its first "
-                                               f"{covered} tokens, which no request of tenant (cache_salt="
+            raise ClauseViolation("KVC-HIT-1", f"request {answer.request_id!r}: the connector offers the KV of its "
+                                               f"first {covered} tokens, which no request of tenant (cache_salt="
                                                f"{spec.cache_salt!r}, lora_name={spec.lora_name!r}) has computed")
 
 
@@ -302,8 +306,8 @@ def check_load_failures(judge: ConnectorJudge, observation: StepObservation) -> 
         end, computed = judge.trace.loads[request_id], observation.computed_tokens.get(request_id, 0)
         if request_id in observation.computed_tokens and computed >= end:
             raise ClauseViolation("KVC-FAIL-1", f"request {request_id!r}: its load failed, yet it still counts all "
-                                                f"{computed} tokens the load was to complete as computed: what failed is "
-                                                "never recomputed")
+                                                f"{computed} tokens the load was to complete as computed: what failed "
+                                                "is never recomputed")
 
 
 @check("KVC-FREE-1", kind="connector")
@@ -323,7 +327,8 @@ def check_delayed_frees(judge: ConnectorJudge, observation: StepObservation) -> 
                                             "(request_finished answered delay_free=True and no save has finished)")
     kept = sorted(released - freed)
     if kept:
-        raise ClauseViolation("KVC-FREE-1", f"the connector released request(s) {kept}, but their blocks were not freed")
+        raise ClauseViolation("KVC-FREE-1", f"the connector released request(s) {kept}, but their blocks were not "
+                                            "freed")
 
 
 # --- bytes ----------------------------------------------------------------------------------------------

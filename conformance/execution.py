@@ -41,7 +41,8 @@ from kvconform.reference.errors import InvalidCall
 
 DRAIN_STEP_LIMIT = 64
 """Steps a drain may take, every transfer completed before each, before the requests still unfinished count as stuck
-(LIFE-LIVE-1, KVC-LIVE-1): the bound where the harness completes transfers (`Capabilities.harness_completes_transfers`)."""
+(LIFE-LIVE-1, KVC-LIVE-1): the bound where the harness completes transfers
+(`Capabilities.harness_completes_transfers`)."""
 
 DEFAULT_DRAIN_TIMEOUT = 10.0
 """Seconds a drain steps a connector on its own clock, as vLLM's engine core steps while requests wait for remote KV,
@@ -56,7 +57,15 @@ Scheduling = Literal["sync", "async", "both"]
 
 
 class Diverged(Exception):
-    """A known failure happened: the implementation and the reference have diverged, so the example ends (CONF-RUN-2)."""
+    """A known failure happened: the implementation and the reference have diverged, so the example ends
+    (CONF-RUN-2). Raised from the known failure's violation."""
+
+    @property
+    def known_failure(self) -> ClauseViolation:
+        """Return the violation of the known failure, which this was raised from."""
+        if not isinstance(self.__cause__, ClauseViolation):
+            raise RuntimeError(f"Diverged must be raised from a ClauseViolation, not {self.__cause__!r}")
+        return self.__cause__
 
 
 class RunStatistics(BaseModel):
@@ -102,13 +111,21 @@ class Session:
     """Seconds a drain waits for a connector on its own clock to go idle (`DEFAULT_DRAIN_TIMEOUT`)."""
     coverage: dict[str, int] = field(default_factory=dict)
     findings: dict[str, str] = field(default_factory=dict)
-    """Faults the engine's scheduler masked, by clause (`connector_level.check_masked_answers`): reported, not failed."""
+    """Faults the engine's scheduler masked, by clause (`connector_level.check_masked_answers`): reported, not
+    failed."""
     statistics: RunStatistics = field(default_factory=RunStatistics)
     observed_failure: ClauseViolation | None = None
     """The run's first failure as it happened, carrying its program: the evidence where a replay does not fail again,
     as happens with a connector on its own clock (CONF-RUN-3)."""
     capabilities: Capabilities | None = None
     """What the adapter claimed to support, as the latest execution read it (CONF-CAP-1)."""
+
+    @property
+    def adapter_capabilities(self) -> Capabilities:
+        """Return what the adapter claimed to support, once an execution has read it (CONF-CAP-1)."""
+        if self.capabilities is None:
+            raise RuntimeError("the session has no adapter capabilities before an execution began")
+        return self.capabilities
 
 
 class EngineState(Protocol):
@@ -160,8 +177,7 @@ class Execution:
         self.caller = AdapterCaller(session.call_timeout)
         self.judges: list[Judge] = []
         """One per level judged, the deeper level first; built at `start`."""
-        self.state: EngineState | None = None
-        """Where the engine's requests are, as the deepest level's judge follows them; set at `start`."""
+        self._state: EngineState | None = None
         self.capabilities = Capabilities()
         self.requests: dict[str, RequestSpec] = {}
         """The requests added so far, by id."""
@@ -224,6 +240,13 @@ class Execution:
         """Return True once the engine started: its judges are built."""
         return bool(self.judges)
 
+    @property
+    def state(self) -> EngineState:
+        """Return where the engine's requests are, as the deepest level's judge follows them; set at `start`."""
+        if self._state is None:
+            raise RuntimeError("an execution has no engine state before its program's start call")
+        return self._state
+
     def allows(self, call: Call) -> bool:
         """Return True if the engine's state lets `call` run: its request exists and is in the right state."""
         if call.operation == "start":
@@ -258,7 +281,7 @@ class Execution:
     def _start(self, config: EngineConfig) -> None:
         levels = judged_levels(self.capabilities)
         self.judges = [judge(self, config) for level, judge in JUDGES.items() if level in levels]
-        self.state = self.judges[0]
+        self._state = self.judges[0]
         self.call("start", config)
 
     def _add_request(self, spec: RequestSpec) -> None:
@@ -361,7 +384,7 @@ class Execution:
         resident = [set(judge.resident()) for judge in self.judges]
         for request_id in sorted(set().union(*resident)):
             kv = self.call("computed_kv", request_id)
-            for judge, requests in zip(self.judges, resident):
+            for judge, requests in zip(self.judges, resident, strict=True):
                 if request_id in requests:
                     judge.resident_kv(request_id, kv)
 
@@ -372,6 +395,13 @@ class Replay:
 
     program: list[Call]
     violation: ClauseViolation | None
+
+    @property
+    def failure(self) -> ClauseViolation:
+        """Return the violation of a replay that failed: the counterexample's."""
+        if self.violation is None:
+            raise RuntimeError("the replay ended without a violation: it is no counterexample")
+        return self.violation
 
 
 def replay(session: Session, program: list[Call]) -> Replay:

@@ -39,7 +39,8 @@ def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Sche
         eviction_policy=draw(st.sampled_from(sorted(capabilities.eviction_policies)), label="policy"),
         async_scheduling=draw(st.sampled_from(scheduling_modes(capabilities, scheduling)), label="async"),
         max_num_batched_tokens=draw(st.sampled_from((16, 256)), label="token_budget"),
-        **{variant: draw(st.sampled_from(sorted(getattr(capabilities, variant))), label=variant) for variant in VARIANTS},
+        **{variant: draw(st.sampled_from(sorted(getattr(capabilities, variant))), label=variant)
+           for variant in VARIANTS},
     )
 
 
@@ -207,7 +208,8 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.on_own_clock or self.run.state.busy())
     @rule(count=STEP_COUNTS, transfers_done=st.booleans())
     def step(self, count: int, transfers_done: bool) -> None:
-        """Step both engines `count` times; with `transfers_done`, every in-flight transfer succeeds before each step."""
+        """Step both engines `count` times; with `transfers_done`, every in-flight transfer succeeds before each
+        step."""
         for _ in range(count):
             if transfers_done and not self.on_own_clock:
                 self.apply("complete_transfers", False, False)

@@ -205,7 +205,8 @@ def schedule_of(observation: StepObservation, running: Collection[str]) -> Follo
     loading = {load.request_id for load in observation.loads}
     admitted = set(resumed_or_admitted) | {
         answer.request_id for answer in observation.match_answers
-        if answer.load_async and (observation.computed_tokens.get(answer.request_id, 0) or answer.request_id in loading)}
+        if answer.load_async
+        and (observation.computed_tokens.get(answer.request_id, 0) or answer.request_id in loading)}
     asked = {answer.request_id for answer in observation.match_answers}
     considered = [r for r in resumed_or_admitted if r not in asked and r not in observation.promoted]
     for index, answer in enumerate(observation.match_answers):

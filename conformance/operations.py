@@ -131,13 +131,15 @@ class Call:
         if operation.spread:
             args = self.args[0].model_dump(mode="json", exclude_defaults=self.operation == "add_request")
         else:
-            args = {parameter.name: parameter.write(value) for parameter, value in zip(operation.parameters, self.args)}
+            # A trailing optional parameter may be left out (`Call("step")`): the arguments may be fewer.
+            given = zip(operation.parameters, self.args, strict=False)
+            args = {parameter.name: parameter.write(value) for parameter, value in given}
         return {"op": self.operation, "args": args} if args else {"op": self.operation}
 
     @classmethod
     def from_json(cls, data: Any) -> Call:
         """Return the call that a `{"op": ..., "args": {...}}` object stands for; raise ProgramError if none."""
-        operation = OPERATIONS.get(data.get("op")) if isinstance(data, dict) else None
+        operation = OPERATIONS.get(data.get("op", "")) if isinstance(data, dict) else None
         args = data.get("args", {}) if isinstance(data, dict) else None
         if operation is None or not isinstance(args, dict):
             raise ProgramError(f"{data!r}: 'op' must be one of {', '.join(OPERATIONS)}, 'args' an object")

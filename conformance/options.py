@@ -102,7 +102,8 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
             scheduling: str = "both", call_timeout: float = DEFAULT_CALL_TIMEOUT,
             known_failures_path: Path | None = None, report_path: Path | None = None,
             junit_path: Path | None = None, certify: bool = False,
-            database: str = examples.DEFAULT_DATABASE, drain_timeout: float | str = DEFAULT_DRAIN_TIMEOUT) -> RunOptions:
+            database: str = examples.DEFAULT_DATABASE,
+            drain_timeout: float | str = DEFAULT_DRAIN_TIMEOUT) -> RunOptions:
     """Return the checked options of a run, or raise UsageProblem naming the first mistake.
 
     `database` is a directory, a Redis URL or `none` (`examples.open_database`)."""
@@ -127,7 +128,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
         raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
     shipped, ships_any = baseline.shipped(adapter_module(adapter_spec), version)
     files = tuple(path for path in (shipped, known_failures_path) if path is not None)
-    files = files[:1] if len(files) == 2 and Path(str(files[0])).resolve() == files[1].resolve() else files
+    files = files[:1] if len(files) == 2 and Path(str(files[0])).resolve() == Path(str(files[1])).resolve() else files
     unverified = None
     if ships_any and not shipped:
         unverified = (f"{version} has no verdict table in kvconform (no shipped known-failures file "

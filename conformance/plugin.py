@@ -151,7 +151,8 @@ def split_run_options(config: pytest.Config, run: RunOptions) -> RunOptions:
     """Return the options of a run split across `shard_count` workers: the seed its parts derive theirs from."""
     if shard_count(config) == 1 or run.seed is not None:
         return run
-    return dataclasses.replace(run, seed=config.workerinput[WORKER_SEED])
+    # pytest-xdist sets `workerinput` on a worker's config; pytest's Config does not declare it
+    return dataclasses.replace(run, seed=config.workerinput[WORKER_SEED])  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal
-
+from typing import Any, Literal
 from xml.etree import ElementTree
 
 from pydantic import BaseModel, Field
@@ -80,10 +79,10 @@ class RunReport(BaseModel):
     profile: str = Field(description="the Hypothesis profile: ci, dev or thorough")
     seed: int | None = Field(description="the --seed given, or None")
     scheduling: Scheduling = Field(description="the scheduling modes drawn from")
-    findings: dict[str, str] = Field({}, description="clause -> a fault of the connector's own answer that this release's "
-                                                     "scheduler masked (replaced the answer before using it): not a "
-                                                     "failure here, a failure on releases that take the answer as "
-                                                     "given")
+    findings: dict[str, str] = Field({}, description="clause -> a fault of the connector's own answer that this "
+                                                     "release's scheduler masked (replaced the answer before using "
+                                                     "it): not a failure here, a failure on releases that take the "
+                                                     "answer as given")
     drain_timeout: float | None = Field(None, description="seconds a drain waited at most for a connector on its own "
                                                           "clock to go idle (--drain-timeout); None where the harness "
                                                           "completes the adapter's transfers")
@@ -150,7 +149,7 @@ def run_time_coverage(clauses: list[ClauseResult], levels: Iterable[SpecLevel]) 
                            not_exercised=judged.count("not exercised"), model_only=len(must) - len(judged))
 
 
-def _verdicts(coverage: dict[str, int], failed_clause: str | None, seen_known_failures: dict[str, str]
+def _verdicts(coverage: dict[str, int], failed_clause: str | None, seen_known_failures: Mapping[str, str | None]
               ) -> list[ClauseResult]:
     """Return a verdict for every clause of the spec, from how often each was exercised and what failed."""
     runtime_checked = run_time_clauses()
@@ -176,14 +175,14 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
     exercised, and entries met, as often as all parts did together.
     """
     first = parts[0]
-    failing = ([part for part in parts if part.outcome == "fail"] or [part for part in parts if part.outcome == "info"]
-               or [None])[0]
+    failing = next((part for part in parts if part.outcome == "fail"),
+                   next((part for part in parts if part.outcome == "info"), None))
     seen = {c.id: c.known_failure for part in parts for c in part.clauses if c.verdict == "known failure"}
     met = {name: sum(part.known_failures_met.get(name, 0) for part in parts) for name in first.known_failures_met}
     stale = [name for name, count in met.items() if not count and name not in rare_known_failures]
     coverage = {c.id: sum(part.clauses[i].exercised for part in parts) for i, c in enumerate(first.clauses)}
-    failure = dict(failed_clause=None, message=None, counterexample=None, program=None, adapter_traceback=None,
-                   found_after=None)
+    failure: dict[str, Any] = dict(failed_clause=None, message=None, counterexample=None, program=None,
+                                   adapter_traceback=None, found_after=None)
     if failing is not None:
         failure = {name: getattr(failing, name) for name in failure}
     elif stale:

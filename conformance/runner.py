@@ -24,7 +24,6 @@ from kvconform.conformance.operations import render
 from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone
 from kvconform.conformance.shrinker import Replay, Shrinker
 
-
 Outcome = Literal["ok", "fail", "info"]
 """Jepsen's outcomes: conformant, a clause failed, or unknown (an adapter call never returned, CONF-CALL-2)."""
 
@@ -103,7 +102,7 @@ def run(
             run_state_machine_as_test(machine, settings=settings)
     except ClauseViolation as violation:
         result.found_after = time.perf_counter() - started
-        _failed(result, _shrunk(session, Replay(violation.program, violation), PROFILES[profile]))
+        _failed(result, _shrunk(session, Replay(violation.executed_program, violation), PROFILES[profile]))
     except AdapterHung as hang:  # not shrunk: the unshrunk calls that led to the hang are the evidence
         result.passed = False
         result.failed_clause = hang.clause
@@ -136,11 +135,12 @@ def run(
 def _failed(result: RunResult, failing: Replay) -> None:
     """Record a failure; before the engine started, the calls that failed stand for the program."""
     result.passed = False
-    result.failed_clause = failing.violation.clause
-    result.message = failing.violation.detail
-    result.counterexample = render(failing.program) or "\n".join(failing.violation.calls)
+    violation = failing.failure
+    result.failed_clause = violation.clause
+    result.message = violation.detail
+    result.counterexample = render(failing.program) or "\n".join(violation.calls)
     result.program = [call.to_json() for call in failing.program]
-    result.adapter_traceback = failing.violation.adapter_traceback
+    result.adapter_traceback = violation.adapter_traceback
 
 
 def _not_replayed(error: HypothesisException, session: Session) -> Replay | None:
@@ -157,4 +157,4 @@ def _shrunk(session: Session, failing: Replay, profile: Profile) -> Replay:
     """Return the failing program shrunk within the profile's budget (CONF-RUN-3)."""
     if not failing.program:
         return failing
-    return Shrinker(session, session.capabilities, profile.shrink_attempts).shrink(failing)
+    return Shrinker(session, session.adapter_capabilities, profile.shrink_attempts).shrink(failing)

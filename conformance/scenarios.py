@@ -169,7 +169,8 @@ class Scenario:
     def calls(self) -> list[Call]:
         """Return the calls the ops make, `start` first, each prompt's references to earlier requests resolved;
         raise ScenarioError naming the op that is not a call."""
-        calls, requests = [Call("start", (self.config,))], {}
+        calls = [Call("start", (self.config,))]
+        requests: dict[str, RequestSpec] = {}
         for number, op in enumerate(self.ops):
             try:
                 if op["op"] == "add_request":
@@ -258,8 +259,8 @@ class Scenario:
 
 def load(name: str) -> Scenario:
     """Return the bundled scenario `name` (a file `scenarios/<name>.json`)."""
-    return Scenario.from_json(name, json.loads(resources.files(__package__).joinpath("scenarios", f"{name}.json")
-                                               .read_text()))
+    bundled = resources.files(__package__).joinpath("scenarios").joinpath(f"{name}.json")
+    return Scenario.from_json(name, json.loads(bundled.read_text()))
 
 
 def load_file(path: Path) -> Scenario:
@@ -309,7 +310,7 @@ def _apply(execution: Execution, scenario: Scenario, where: str, call: Call) -> 
     try:
         execution.apply(call)
     except (ClauseViolation, AdapterHung, Diverged) as failure:
-        named = failure.__cause__ if isinstance(failure, Diverged) else failure
+        named = failure.known_failure if isinstance(failure, Diverged) else failure
         named.detail = f"scenario {scenario.name}, {where}: {named.detail}"
         named.args = (f"[{named.clause}] {named.detail}",)
         raise
@@ -324,10 +325,10 @@ def judge(scenario: Scenario, session: Session) -> Verdict:
     except Unsupported as refused:
         return Verdict(scenario.name, "refused", detail=str(refused))
     except Diverged as diverged:
-        known = diverged.__cause__
+        known = diverged.known_failure
         return Verdict(scenario.name, "known failure", known.clause, known.detail, known.adapter_traceback)
     except ClauseViolation as violation:
-        outcome = "known failure" if session.baseline.tolerates(violation) else "fail"
+        outcome: Literal["known failure", "fail"] = "known failure" if session.baseline.tolerates(violation) else "fail"
         return Verdict(scenario.name, outcome, violation.clause, violation.detail, violation.adapter_traceback)
     except AdapterHung as hung:
         return Verdict(scenario.name, "unknown", hung.clause, hung.detail)

@@ -83,12 +83,12 @@ class Shrinker:
         it is, as the counterexample, and its message says how many replays reproduced it; so is a shrink the
         safety cap cut short.
         """
-        failure, best = Failure.of(failing.violation), failing
+        failure, best = Failure.of(failing.failure), failing
         cap = time.perf_counter() + self.cap_seconds
         reproduced = sum(fails_as(self.replay(failing.program), failure) for _ in range(self.tries))
         if reproduced < self.tries:
-            failing.violation.detail += (f" (observed; {reproduced} of {self.tries} replays of this program failed the "
-                                         "same way: the adapter is not deterministic)")
+            failing.failure.detail += (f" (observed; {reproduced} of {self.tries} replays of this program failed the "
+                                       "same way: the adapter is not deterministic)")
         if not reproduced:
             return failing
         progress = True
@@ -98,8 +98,9 @@ class Shrinker:
                 if self.replays >= self.attempts:
                     break
                 if time.perf_counter() >= cap:
-                    best.violation.detail += (f" (shrinking stopped at the {self.cap_seconds:g} s safety cap after "
-                                              f"{self.replays} of {self.attempts} replays: a smaller program may fail too)")
+                    best.failure.detail += (f" (shrinking stopped at the {self.cap_seconds:g} s safety cap after "
+                                            f"{self.replays} of {self.attempts} replays: a smaller program may fail "
+                                            "too)")
                     return best
                 replay = self.fails_alike(candidate, failure)
                 if replay is not None and size(replay.program) < size(best.program):
@@ -132,10 +133,10 @@ class Shrinker:
             for shorter in sorted({len(spec.prompt) // 2, len(spec.prompt) - 4, len(spec.prompt) - 1}):
                 if 0 < shorter < len(spec.prompt):
                     yield Call("add_request", (spec.model_copy(update={"prompt": spec.prompt[:shorter]}),))
-            for name, plain in (("max_tokens", 1), ("skip_reading_prefix_cache", False), ("cache_salt", None),
-                                ("lora_name", None)):
-                if getattr(spec, name) != plain:
-                    yield Call("add_request", (spec.model_copy(update={name: plain}),))
+            for name, simplest in (("max_tokens", 1), ("skip_reading_prefix_cache", False), ("cache_salt", None),
+                                   ("lora_name", None)):
+                if getattr(spec, name) != simplest:
+                    yield Call("add_request", (spec.model_copy(update={name: simplest}),))
         elif call.operation in ("complete_transfers", "reset_prefix_cache"):
             for position, value in enumerate(call.args):
                 if value:

@@ -59,7 +59,7 @@ def test_scenario(kv_run_options: options.RunOptions, scenario: scenarios.Scenar
         pytest.skip(verdict.detail)
     if verdict.outcome == "pass":
         return
-    if verdict.outcome == "known failure":
+    if verdict.outcome == "known failure" and verdict.clause is not None:
         pytest.xfail(f"known failure {verdict.clause}: {kv_run_options.known_failures[verdict.clause]}")
     traceback = f"\nadapter traceback:\n{verdict.adapter_traceback}" if verdict.adapter_traceback else ""
     pytest.fail(f"[{verdict.clause}] {verdict.detail}{traceback}", pytrace=False)

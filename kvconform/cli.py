@@ -71,8 +71,8 @@ def _connector_options(command):
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the run across N pytest-xdist workers, one part each (needs pytest-xdist)")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
-                drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool, scheduling: str,
-                connector: str | None, connector_config: str | None, connector_manifest: str | None,
+                drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool,
+                scheduling: str, connector: str | None, connector_config: str | None, connector_manifest: str | None,
                 verbose: bool, database: str, workers: int) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
@@ -327,7 +327,8 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
     names = sorted(MUTANTS) if only is None else [name.strip() for name in only.split(",") if name.strip()]
     unknown = sorted(set(names) - set(MUTANTS))
     if unknown or not names:
-        _usage_error(f"unknown mutant(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(sorted(MUTANTS))}")
+        _usage_error(f"unknown mutant(s) {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(sorted(MUTANTS))}")
     if report_path is not None:
         try:
             options.check_writable(report_path)

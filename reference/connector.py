@@ -154,8 +154,8 @@ class OffloadConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    deviations: KnownDeviations = NO_DEVIATIONS) -> tuple[int | None, bool]:
-        """Return the loadable tokens past the local hit and if the load is async (CONN-MATCH-1, CONN-MATCH-4, OFF-READ-2,
-        LIFE-LOAD-4, OFF-STORE-7)."""
+        """Return the loadable tokens past the local hit and if the load is async (CONN-MATCH-1, CONN-MATCH-4,
+        OFF-READ-2, LIFE-LOAD-4, OFF-STORE-7)."""
         state = self.states[request.request_id]
         state.block_ids = []
         if self.config.restart_offers_on_lookup:
@@ -221,7 +221,8 @@ class OffloadConnectorScheduler:
         return state.num_local_tokens // self.offloaded_block_size
 
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Create the load job for the external hit into the request's pending GPU blocks (CONN-ALLOC-1, XFER-LOAD-2)."""
+        """Create the load job for the external hit into the request's pending GPU blocks (CONN-ALLOC-1,
+        XFER-LOAD-2)."""
         if num_external_tokens == 0:
             return
         state = self.states[request.request_id]
@@ -230,7 +231,7 @@ class OffloadConnectorScheduler:
         num_gpu = cdiv(num_cached, self.block_size)
         indices = list(range(first_gpu // self.factor, cdiv(num_cached, self.offloaded_block_size)))
         keys = [self.offload_keys(request)[index] for index in indices]
-        rows = self.load_rows(dict(zip(indices, self.manager.prepare_load(keys))), first_gpu, num_gpu)
+        rows = self.load_rows(dict(zip(indices, self.manager.prepare_load(keys), strict=True)), first_gpu, num_gpu)
         job = self._new_job(state, False, indices, keys, list(block_ids[first_gpu:num_gpu]), rows)
         job.first_gpu_block = first_gpu
         state.next_stored_index = cdiv(num_cached, self.offloaded_block_size)  # OFF-STORE-1: the hit is stored
@@ -352,8 +353,8 @@ class OffloadConnectorScheduler:
 
     def _store_job(self, state: RequestOffloadState, block_ids: list[int], indices: list[int],
                    offered: list[OffloadKey], keys_to_store: list[OffloadKey], slots: list[int]) -> TransferJob:
-        slot_of = dict(zip(keys_to_store, slots))
-        stored = [(index, key) for index, key in zip(indices, offered) if key in slot_of]
+        slot_of = dict(zip(keys_to_store, slots, strict=True))
+        stored = [(index, key) for index, key in zip(indices, offered, strict=True) if key in slot_of]
         gpu_blocks, rows = [], []
         for index, key in stored:
             gpu_blocks += block_ids[index * self.factor : (index + 1) * self.factor]
@@ -417,7 +418,8 @@ class OffloadConnectorScheduler:
         return any(not self.jobs[job_id].is_store for job_id in state.transfer_jobs)
 
     def flush_stores_before_reuse(self, state: RequestOffloadState) -> None:
-        """Remember the GPU blocks a finished request's pending stores read, to flush them before reuse (LIFE-FREE-2)."""
+        """Remember the GPU blocks a finished request's pending stores read, to flush them before reuse
+        (LIFE-FREE-2)."""
         for job_id in state.transfer_jobs:
             job = self.jobs[job_id]
             if job.is_store:

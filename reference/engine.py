@@ -539,8 +539,8 @@ class Engine:
     def order_waiting(self) -> None:
         """Put the waiting requests that hold GPU blocks first, in the order their loads were admitted; the others keep
         their queue order (SCHED-ORDER-1)."""
-        self.waiting.sort(key=lambda request: (0, self.holders[request.request_id]) if request.request_id in self.holders
-                          else (1, 0))
+        self.waiting.sort(key=lambda request: (0, self.holders[request.request_id])
+                          if request.request_id in self.holders else (1, 0))
 
     def _finish_load(self, request: Request, success: bool) -> None:
         """Cache a finished load's blocks, or after a failure those of the local hit the request fell back to
@@ -603,7 +603,8 @@ class Engine:
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             request.append_output(token)  # also for a request preempted meanwhile (LIFE-PREEMPT-1)
             if self.config.async_scheduling and request.status is RequestStatus.RUNNING:
-                self.kv.cache_blocks(request, request.num_computed_tokens - request.num_output_placeholders)  # PFX-HIT-2
+                # PFX-HIT-2
+                self.kv.cache_blocks(request, request.num_computed_tokens - request.num_output_placeholders)
             if self.reached_end(request):
                 (self.running if request in self.running else self.waiting).remove(request)
                 self._finish(request, RequestStatus.FINISHED)

@@ -43,12 +43,13 @@ class Observer:
                                                 num_gpu_blocks=n) for r, i, first, n in trace.loads),
             store_offers=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i),
                                                         evicted=tuple(map(self.block_ref, evicted)))
-                               for (r, i), evicted in zip(trace.store_offers, trace.offer_evictions)),
+                               for (r, i), evicted in zip(trace.store_offers, trace.offer_evictions, strict=True)),
             stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
                          for r, i in trace.stores),
             evicted=tuple(map(self.block_ref, trace.evicted)),
             completed_loads=tuple(LoadJob.model_construct(request_id=r, offload_indices=tuple(i), first_gpu_block=first,
-                                                          num_gpu_blocks=n) for r, i, first, n in trace.completed_loads),
+                                                          num_gpu_blocks=n)
+                                  for r, i, first, n in trace.completed_loads),
             completed_stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
                                    for r, i in trace.completed_stores),
             flushed_stores=tuple(StoreJob.model_construct(request_id=r, offload_indices=tuple(i), evicted=())
@@ -76,7 +77,8 @@ class Observer:
 
     def store_contents(self) -> StoreSnapshot:
         """Return the blocks the store holds, readable or still being stored (OFF-MGR-1)."""
-        ready, storing = set(), set()
+        ready: set[BlockRef] = set()
+        storing: set[BlockRef] = set()
         for key, block in self.engine.manager.contents():
             (ready if block.is_ready else storing).add(self.block_ref(key))
         return StoreSnapshot.model_construct(ready=frozenset(ready), storing=frozenset(storing))

@@ -4,13 +4,13 @@ A clause is a level-2 heading `## ID — TITLE (REQUIREMENT)`: its stable ID, a 
 its RFC 2119 keyword. The heading is followed by a line naming the reference symbols that realise it and the checks
 that test it, then the normative text, then optionally a note on vLLM's releases and issues:
 
-    ## OFF-READ-1 — No store lookup for a skip-read request (MUST NOT)
+    ## LIFE-LIVE-1 — Every request finishes in bounded steps (MUST)
 
-    Realised by `reference.connector.OffloadConnectorScheduler.get_num_new_matched_tokens` · checked by `check_skip_read`
+    Realised by `reference.engine.Engine.step` · checked by `check_drained`
 
-    The store **MUST NOT** be looked up for a skip-read request, in any step.
+    With every transfer completing, every request **MUST** finish within a bounded number of steps.
 
-    History: vLLM issue #44585, fixed by PR #44592 in 0.24.0.
+    History: vLLM #45388: loaded requests waited in plain queue order behind requests that could not fit.
 
 A clause that no run-time check can judge against an adapter has, right after that line, a line
 `Model-only: REASON` saying why: it is tested on the reference (and the kit) alone. The `History:` paragraph, if

@@ -11,8 +11,8 @@ from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import runner
 from kvconform.conformance.connector_level import ConnectorJudge
 from kvconform.conformance.execution import Call, Execution, Session, replay
-from kvconform.conformance.offloading_level import OffloadingJudge
 from kvconform.conformance.mutants import MUTANTS, FinishesEarlyEngine, black_box
+from kvconform.conformance.offloading_level import OffloadingJudge
 from kvconform.reference.engine import Engine
 from kvconform.reference.kv_history import KVHistory
 

@@ -142,8 +142,8 @@ def test_a_request_kept_while_its_step_is_in_flight_is_judged_on_its_own_schedul
     """SCHED-PREEMPT-1 lets a scheduler stop rather than preempt a request whose step is in flight (vLLM 0.34): the
     judge follows the schedule with the request kept, where the reference's own policy preempts it."""
     program = [Call("start", (EngineConfig(num_gpu_blocks=5, block_size_factor=1, async_scheduling=True),)),
-               add(request_id="a", prompt=PROMPT[:8], max_tokens=3), add(request_id="b", prompt=PROMPT[:8], max_tokens=3),
-               Call("step"), Call("step"), Call("drain")]
+               add(request_id="a", prompt=PROMPT[:8], max_tokens=3),
+               add(request_id="b", prompt=PROMPT[:8], max_tokens=3), Call("step"), Call("step"), Call("drain")]
     own, variant, violation = run_followed(KeepsInFlightRequestEngine, program)
     assert (own.steps[1].preempted, variant.steps[1].preempted) == (("b",), ())
     assert violation is None

@@ -52,9 +52,10 @@ class FakeTools:
         excluded = set(Path(command[command.index("--excludes") + 1]).read_text().split())
         for line in self.index[dist]:
             if line.startswith("!") and line[1:].partition("==")[0] not in excluded:
-                return subprocess.CompletedProcess(command, 1, "", f"  × No solution found when resolving dependencies:\n"
-                                                   f"  ╰─▶ Because there is no version of {line[1:]} and {wanted} depends "
-                                                   f"on {line[1:]}, we can conclude that {wanted} cannot be used.")
+                return subprocess.CompletedProcess(command, 1, "", "  × No solution found when resolving "
+                                                   "dependencies:\n  ╰─▶ Because there is no version of "
+                                                   f"{line[1:]} and {wanted} depends on {line[1:]}, we can conclude "
+                                                   f"that {wanted} cannot be used.")
         pinned = [wanted] + [line for line in self.index[dist]
                              if not line.startswith("!") and line.partition("==")[0] not in excluded]
         self.resolved.append("\n".join(pinned))

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.vllm import runtime
+from kvconform.cli import main
 from kvconform.conformance import baseline, options, runner
 from kvconform.conformance.baseline import Baseline, Entry
 from kvconform.conformance.checks import ClauseViolation
@@ -20,8 +22,6 @@ from kvconform.conformance.execution import Call, Session, replay
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.reference.connector import OffloadConnectorScheduler
 from kvconform.reference.engine import Engine
-
-from kvconform.cli import main
 
 
 class CappedLookupConnector(OffloadConnectorScheduler):

@@ -12,9 +12,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from click.testing import CliRunner
+
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm import runtime
+from kvconform.cli import main
 from kvconform.common.values import (
     Capabilities,
     EngineConfig,
@@ -27,10 +29,8 @@ from kvconform.conformance import options, runner
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.connector_level import ConnectorJudge, check_async_loads, check_resident_bytes
 from kvconform.conformance.execution import Execution, Session, replay
-from kvconform.conformance.operations import Call
 from kvconform.conformance.mutants import black_box
-
-from kvconform.cli import main
+from kvconform.conformance.operations import Call
 
 PROMPT = (1, 2, 3, 0) * 4
 
@@ -73,7 +73,8 @@ SAVE_THEN_LOAD = [Call("start", (EngineConfig(block_size_factor=1, num_offload_b
 
 
 def test_drain_waits_for_the_connectors_clock_not_a_step_count() -> None:
-    """False alarm 1: a load that finishes on the wall clock, later than 64 quick drain steps, is no liveness failure."""
+    """False alarm 1: a load that finishes on the wall clock, later than 64 quick drain steps, is no liveness
+    failure."""
     ran = replay(Session(WallClockReference), SAVE_THEN_LOAD)
     assert ran.violation is None, ran.violation
     assert ran.program == SAVE_THEN_LOAD
@@ -206,7 +207,8 @@ def own_clock(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], type]:
 
 def reload_after_reset(skip_read: bool = False, async_scheduling: bool = False) -> list[Call]:
     """A prompt saved, the local prefix cache reset, the same prompt again, maybe one that must not read it."""
-    return [Call("start", (EngineConfig(block_size_factor=1, num_offload_blocks=32, async_scheduling=async_scheduling),)),
+    config = EngineConfig(block_size_factor=1, num_offload_blocks=32, async_scheduling=async_scheduling)
+    return [Call("start", (config,)),
             Call("add_request", (RequestSpec(request_id="r0", prompt=PROMPT),)), Call("drain"),
             Call("reset_prefix_cache", (False,)),
             Call("add_request", (RequestSpec(request_id="r1", prompt=PROMPT, skip_reading_prefix_cache=skip_read),)),

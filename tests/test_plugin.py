@@ -63,7 +63,8 @@ def test_known_failure_is_an_xfail(pytester: pytest.Pytester, tmp_path: Path) ->
     known.write_text("OFF-READ-1: the seed bug  # vLLM PR #44592\n")
     result = pytester.runpytest(f"--kv-adapter={MUTANT}", f"--kv-known-failures={known}", "-k",
                                 "test_scenario and seed", "-rx")
-    result.assert_outcomes(xfailed=len(bundled("both", "seed")), deselected=1 + len(bundled()) - len(bundled("both", "seed")))
+    result.assert_outcomes(xfailed=len(bundled("both", "seed")),
+                           deselected=1 + len(bundled()) - len(bundled("both", "seed")))
     result.stdout.fnmatch_lines(["XFAIL *seed-skip-read-sync* - known failure OFF-READ-1: the seed bug"])
 
 

@@ -6,6 +6,7 @@ Each test's docstring names the clause it tests; spec chapters list these tests 
 from __future__ import annotations
 
 import importlib
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -94,8 +95,8 @@ def loading(engine) -> Engine:
 @pytest.fixture
 def conn():
     def make(slots: int = 8, factor: int = 1, policy: str = "lru") -> OffloadConnectorScheduler:
-        return OffloadConnectorScheduler(OffloadManager(slots, policy), EngineConfig(block_size=4, block_size_factor=factor),
-                                         StepRecorder())
+        return OffloadConnectorScheduler(OffloadManager(slots, policy),
+                                         EngineConfig(block_size=4, block_size_factor=factor), StepRecorder())
     return make
 
 
@@ -127,7 +128,7 @@ def test_hash_chain_depends_on_every_earlier_block():
     assert len(hashes) == 3 and hashes[0] == hash_block(NONE_HASH, PROMPT[:4], ())
     assert hashes[1] == hash_block(hashes[0], PROMPT[4:8], ())
     changed = block_hashes((PROMPT[0] + 1,) + PROMPT[1:], 4)
-    assert all(a != b for a, b in zip(hashes, changed))
+    assert all(a != b for a, b in zip(hashes, changed, strict=True))
 
 
 def test_extra_keys_lora_every_block_salt_block_zero():
@@ -136,7 +137,7 @@ def test_extra_keys_lora_every_block_salt_block_zero():
     assert extra_keys("x", "s", 1) == ("lora:x",)
     assert extra_keys(None, "s", 1) == ()
     plain, salted = block_hashes(PROMPT, 4), block_hashes(PROMPT, 4, cache_salt="s")
-    assert all(a != b for a, b in zip(plain, salted))
+    assert all(a != b for a, b in zip(plain, salted, strict=True))
 
 
 def test_null_block_never_allocated():
@@ -316,7 +317,8 @@ def test_reset_connector_empties_store(primed):
     """OFF-MGR-8: reset_prefix_cache(reset_connector=True) empties the offload store."""
     assert len(primed.manager.contents()) == 3
     assert primed.reset_prefix_cache(reset_connector=True) is True
-    assert primed.manager.contents() == [] and primed.manager.lookup(primed.connector.offload_keys(primed.requests["r0"])[0]) is False
+    first_key = primed.connector.offload_keys(primed.requests["r0"])[0]
+    assert primed.manager.contents() == [] and primed.manager.lookup(first_key) is False
 
 
 def test_store_events():
@@ -524,7 +526,8 @@ def test_store_flushed_when_its_blocks_become_a_hit_if_declared(engine):
         e.add_request(RequestSpec(request_id="r1", prompt=PROMPT[:8] + (1, 1, 1, 1)))
         metas = []
         build = e.connector.build_connector_meta
-        e.connector.build_connector_meta = lambda output, deviations: metas.append(build(output, deviations)) or metas[-1]
+        e.connector.build_connector_meta = (  # this round's list and builder, bound now
+            lambda output, deviations, metas=metas, build=build: metas.append(build(output, deviations)) or metas[-1])
         e.step()
         assert metas[0].jobs_to_flush == ({0} if flush_on_hit else set())
 
@@ -611,7 +614,8 @@ def test_meta_carries_loads_stores_and_flushes(conn):
     c.update_state_after_alloc(r, [1, 2, 3], 12)
     meta = c.build_connector_meta(sched_output(s, 8, [4, 5], preempted=["s"]))
     assert [j.request_id for j in meta.load_jobs] == ["r"] and [j.request_id for j in meta.store_jobs] == ["s"]
-    assert c.build_connector_meta(sched_output(s, 0, [4, 5], preempted=["s"])).jobs_to_flush == {meta.store_jobs[0].job_id}
+    flushed = c.build_connector_meta(sched_output(s, 0, [4, 5], preempted=["s"])).jobs_to_flush
+    assert flushed == {meta.store_jobs[0].job_id}
 
 
 def test_worker_flushes_before_loads():
@@ -708,7 +712,8 @@ def test_transfer_pairs_scattered_blocks():
     transfer.gpu[1:] = torch.rand(8, 4, 8).to(transfer.gpu.dtype)
     gpu_blocks, rows = [3, 4, 5, 1, 8, 7, 2, 6], [0, 1, 2, 6, 3, 4, 7, 5]
     transfer.copy_to_store(gpu_blocks, rows)
-    assert all(torch.equal(transfer.store[row], transfer.gpu[block]) for block, row in zip(gpu_blocks, rows))
+    assert all(torch.equal(transfer.store[row], transfer.gpu[block])
+               for block, row in zip(gpu_blocks, rows, strict=True))
     original = transfer.gpu.clone()
     transfer.gpu.zero_()
     transfer.copy_to_gpu(rows, gpu_blocks)
@@ -721,7 +726,8 @@ def test_kv_content_deterministic():
     again = kv_content.token_states(kv_content.initial_state(None, None), PROMPT[:5] + (0,), states[:5])
     assert again[:5] == states[:5] and again[5] != states[5]
     assert kv_content.initial_state(None, "a") != kv_content.initial_state(None, None)
-    assert torch.equal(kv_content.kv_values(states, 8, torch.float16), kv_content.kv_values(list(states), 8, torch.float16))
+    assert torch.equal(kv_content.kv_values(states, 8, torch.float16),
+                       kv_content.kv_values(list(states), 8, torch.float16))
 
 
 def test_next_token_deterministic():
@@ -1097,7 +1103,8 @@ def test_delayed_free_released_when_jobs_end(conn):
 
 
 def test_store_flushed_before_blocks_reused(conn):
-    """LIFE-FREE-2: an in-flight store is flushed in the step its GPU blocks are reallocated or its request preempted."""
+    """LIFE-FREE-2: an in-flight store is flushed in the step its GPU blocks are reallocated or its request
+    preempted."""
     c = conn()
     r, s = req("r"), req("s", (1,) * 8)
     c.on_new_request(r)
@@ -1158,7 +1165,8 @@ def test_programs_do_not_depend_on_imports(monkeypatch, tmp_path):
         result = runner.run(ReferenceAdapter, "reference", "short")
         return result.statistics.rules, result.statistics.steps, dict(result.coverage)
     before = drawn()
-    (tmp_path / "adapter_constants.py").write_text(f"SIZES = {list(range(300))}\nNAMES = {[f'r{i}' for i in range(50)]}\n")
+    (tmp_path / "adapter_constants.py").write_text(f"SIZES = {list(range(300))}\n"
+                                                   f"NAMES = {[f'r{i}' for i in range(50)]}\n")
     monkeypatch.syspath_prepend(tmp_path)
     importlib.import_module("adapter_constants")
     assert drawn() == before

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from faulty_adapters import faulty, hanging, negative_tokens, raising
 
+from faulty_adapters import faulty, hanging, negative_tokens, raising
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.cli import main
 from kvconform.common.values import EngineConfig
@@ -31,7 +31,8 @@ def skip_read_scenario(stored_after_skip: list) -> Scenario:
             .add("fill", BLOCK).step(stores=[{"request_id": "fill", "offload_indices": [0], "evicted": []}])
             .complete_transfers().step(stored=[("fill", (0,))]).step()
             .reset_prefix_cache()
-            .add("skip", BLOCK, skip_reading_prefix_cache=True).step(looked_up=False, loads=[], stores=stored_after_skip))
+            .add("skip", BLOCK, skip_reading_prefix_cache=True)
+            .step(looked_up=False, loads=[], stores=stored_after_skip))
 
 
 def test_a_builder_scenario_passes_on_the_reference():
@@ -176,7 +177,8 @@ def test_a_scenario_using_an_operation_the_adapter_rules_out_is_refused():
 
 def test_a_drain_that_never_ends_names_the_leak():
     scenario = Scenario(CONFIG, level="connector").add("r", BLOCK, max_tokens=3).step().abort("r").drain()
-    with pytest.raises(ClauseViolation, match="op 3 \\(drain\\): .*the engine still holds .* after 64 drain steps") as raised:
+    leak = "op 3 \\(drain\\): .*the engine still holds .* after 64 drain steps"
+    with pytest.raises(ClauseViolation, match=leak) as raised:
         scenario.run(MUTANTS["leaks-block-on-abort-black-box"].adapter())
     assert raised.value.clause == "KVC-LEAK-1"
 

@@ -171,7 +171,8 @@ def test_pytest_tests_cite_their_clause():
                 tree = ast.parse((ROOT / path).read_text())
                 node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
                 first = (ast.get_docstring(node) or "").splitlines()[:1]
-                assert first and clause.id in first[0], f"{name} is listed for {clause.id} but its docstring cites {first}"
+                assert first and clause.id in first[0], \
+                    f"{name} is listed for {clause.id} but its docstring cites {first}"
 
 
 def test_spec_version_is_semver():

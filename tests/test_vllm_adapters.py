@@ -50,8 +50,8 @@ def known_failures(name: str, version: str | None = VERSION) -> baseline.Baselin
     """Return the known failures a run of the adapter uses on a release: the release's own (its scheduler's), then
     the adapter's (none where no file is shipped)."""
     folder = resources.files("kvconform.adapters.vllm").joinpath("known-failures")
-    return baseline.load(*(path for path in (folder.joinpath(f"vllm-{version}.txt"), folder.joinpath(f"{name}-{version}.txt"))
-                           if path.is_file()))
+    files = (folder.joinpath(f"vllm-{version}.txt"), folder.joinpath(f"{name}-{version}.txt"))
+    return baseline.load(*(path for path in files if path.is_file()))
 
 
 DEVIATIONS = sorted(p.name for p in resources.files("kvconform.adapters.vllm").joinpath("deviations").iterdir()

@@ -15,8 +15,8 @@ steps the engine until it is idle or a deadline passes.
 vLLM's own CPU offloading connectors copy with CUDA kernels on their worker side. Named by their factory name,
 `OffloadingConnector` and `SimpleCPUOffloadConnector` get the CPU transfer seam of their white-box adapters (`SEAMS`):
 vLLM's code throughout, the kit's torch copies in place of the kernels, transfers finishing when the harness completes
-them (the deterministic mode, `harness_completes_transfers`); `LMCacheConnectorV1` gets a torch copy for LMCache (`lmcache.py`). The seam's extra config comes first and
-`KVCONFORM_CONNECTOR_CONFIG` overrides any field of it.
+them (the deterministic mode, `harness_completes_transfers`); `LMCacheConnectorV1` gets a torch copy for LMCache
+(`lmcache.py`). The seam's extra config comes first and `KVCONFORM_CONNECTOR_CONFIG` overrides any field of it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -46,8 +47,9 @@ DEFAULT_MANIFEST = {"async_scheduling": True, "eviction_policies": ("lru",), "bl
 """What a connector is asked for unless its seam or manifest says more: its store's policy and chunking are its own,
 and so is its clock: its transfers finish when its own threads finish them, unless a seam holds them."""
 
-SEAMS: dict[str, type[TransferSeam]] = {"OffloadingConnector": OffloadingSeam, "SimpleCPUOffloadConnector": SimpleCPUSeam,
-                                         "LMCacheConnectorV1": LMCacheSeam}
+SEAMS: dict[str, Callable[[VllmAdapter], TransferSeam]] = {"OffloadingConnector": OffloadingSeam,
+                                                            "SimpleCPUOffloadConnector": SimpleCPUSeam,
+                                                            "LMCacheConnectorV1": LMCacheSeam}
 """The CPU seams of connectors whose workers copy with CUDA, by factory name (`lmcache.py` for LMCache's)."""
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.transfers import HeldTransfers, KVTensors
@@ -135,7 +136,8 @@ class MixinGlue:
 
     def install(self) -> None:
         """Make this adapter's worker-side connector vLLM's process-wide KV transfer group."""
-        self.rt.load("vllm.distributed.kv_transfer.kv_transfer_state")._KV_CONNECTOR_AGENT = self.worker
+        state = self.rt.load("vllm.distributed.kv_transfer.kv_transfer_state")
+        state._KV_CONNECTOR_AGENT = self.worker  # type: ignore[attr-defined]  # vLLM's module global, unknown to mypy
 
     def no_forward(self, scheduler_output: Any) -> Any:
         self.worker.handle_preemptions(scheduler_output.kv_connector_metadata)
@@ -176,7 +178,7 @@ SKIP_READ_REPLACEMENT = re.compile(r"get_num_new_matched_tokens\([^)]*\)\s*\)?\s
 
 
 @functools.cache
-def skip_read_condition(scheduler_class: type) -> Any:
+def skip_read_condition(scheduler_class: type[Any]) -> Any:
     """Return the compiled condition under which the release's scheduler replaces a connector's answer by (0, False),
     read from the code it runs, or None where it takes every answer as given (0.23, 0.24): the behaviour, never the
     version, decides how the answer the scheduler took is recorded (KVC-SKIP-1)."""
@@ -233,6 +235,9 @@ class VllmAdapter(KVConnectorAdapter):
     connector_name: str = ""
     seam: TransferSeam = TransferSeam()
     """How the connector's transfers run on this CPU-only machine; subclasses set theirs."""
+    gpu_cache_reset: bool
+    """What the GPU prefix cache's own reset last answered (recorded from `start` on): the result a failed
+    `reset_prefix_cache` recovers with."""
 
     def __init__(self) -> None:
         self.rt = runtime.load()
@@ -498,7 +503,7 @@ class VllmAdapter(KVConnectorAdapter):
         request's tokens fails KVC-MATCH-1 here, before vLLM's scheduler fails a bare assertion on it."""
         taken = (0, False) if self.skip_read_replaced(request) else tuple(result)
         answers = [self.trace.match_answers] + [self.trace.masked_answers] * (taken != tuple(result))
-        for answer, recorded in zip((taken, result), answers):
+        for answer, recorded in zip((taken, result), answers, strict=False):  # one answer where none was replaced
             recorded.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
                                         external_tokens=answer[0], load_async=answer[1]))
         if taken[0] is not None and num_computed_tokens + taken[0] > request.num_tokens:
@@ -510,7 +515,8 @@ class VllmAdapter(KVConnectorAdapter):
     def skip_read_replaced(self, request: Any) -> bool:
         """Return whether the release's scheduler replaces this request's answer by (0, False) itself, as its own
         `schedule` says right after asking the connector (`skip_read_condition`)."""
-        condition = skip_read_condition(type(self.scheduler))
+        # vLLM's scheduler is untyped here: mypy does not count its class, type[Any], as Hashable
+        condition = skip_read_condition(type(self.scheduler))  # type: ignore[arg-type]
         return condition is not None and bool(eval(condition, {}, {"request": request, "self": self.scheduler}))
 
     def _record_finish_answer(self, result: tuple[bool, Any], request: Any, *args: Any) -> None:
@@ -555,11 +561,13 @@ class VllmAdapter(KVConnectorAdapter):
         trace = self.trace
         observation = dict(
             scheduled_tokens=trace.scheduled_tokens,
-            computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items() if not q.is_finished()},
+            computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items()
+                             if not q.is_finished()},
             preempted=tuple(sorted(trace.preempted)), promoted=dict(trace.promoted),
             match_answers=tuple(trace.match_answers), masked_answers=tuple(trace.masked_answers),
             finished=tuple(trace.finished), freed=tuple(trace.freed),
-            forward_writes=frozenset(trace.forward_writes), store_reads_in_flight=frozenset(trace.store_reads_in_flight),
+            forward_writes=frozenset(trace.forward_writes),
+            store_reads_in_flight=frozenset(trace.store_reads_in_flight),
             loads_finished=tuple(trace.loads_finished), loads_failed=tuple(trace.loads_failed),
             free_delayed=tuple(trace.free_delayed), saves_finished=tuple(trace.saves_finished),
         )

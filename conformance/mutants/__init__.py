@@ -11,19 +11,20 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.common.values import Capabilities, SpecLevel
+from kvconform.common.values import Capabilities, EngineConfig, SpecLevel
 from kvconform.reference.connector import NO_DEVIATIONS, OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine, OwnPolicy
 from kvconform.reference.hashing import block_hashes
 from kvconform.reference.kv_cache import BlockPool, KVCacheManager
 from kvconform.reference.offload_manager import ARCPolicy, LRUPolicy, OffloadManager
 from kvconform.reference.request import RequestStatus
-
 
 # --- the seed rule: skip the read, still store -------------------------------------------------
 
@@ -66,8 +67,8 @@ class HitOneBlockShortConnector(OffloadConnectorScheduler):
     """Answers a run of offloaded blocks found in the store one block short (off by one): the last block found is
     recomputed instead of loaded."""
 
-    def _lookup(self, state):
-        hits = super()._lookup(state)
+    def _lookup(self, state, lookup_end=None):
+        hits = super()._lookup(state, lookup_end)
         return max(hits - self.offloaded_block_size, 0) if hits else hits
 
 
@@ -88,10 +89,10 @@ class HitWhileLoadingConnector(OffloadConnectorScheduler):
     """A hit on blocks still being loaded for another request is answered at once instead of deferred (None) until
     that load ends."""
 
-    def _lookup(self, state):
+    def _lookup(self, state, lookup_end=None):
         loading, self.keys_being_loaded = self.keys_being_loaded, set()
         try:
-            return super()._lookup(state)
+            return super()._lookup(state, lookup_end)
         finally:
             self.keys_being_loaded = loading | self.keys_being_loaded
 
@@ -99,8 +100,8 @@ class HitWhileLoadingConnector(OffloadConnectorScheduler):
 class LookupPastMissConnector(OffloadConnectorScheduler):
     """The lookup does not stop at the first miss: it probes every remaining block."""
 
-    def _lookup(self, state):
-        hits = super()._lookup(state)
+    def _lookup(self, state, lookup_end=None):
+        hits = super()._lookup(state, lookup_end)
         request = state.request
         looked_up = self.recorder.lookups.get(request.request_id, [])
         for index in range(looked_up[-1] + 1 if looked_up else 0, len(self.offload_keys(request))):
@@ -142,7 +143,8 @@ class LoadOffsetIgnoredConnector(OffloadConnectorScheduler):
     """vLLM #28951: a load that starts inside an offloaded block counts positions from the load's first block."""
 
     def load_rows(self, slot_of, first_gpu, num_gpu):
-        return [slot_of[p // self.factor] * self.factor + (p - first_gpu) % self.factor for p in range(first_gpu, num_gpu)]
+        return [slot_of[p // self.factor] * self.factor + (p - first_gpu) % self.factor
+                for p in range(first_gpu, num_gpu)]
 
 
 class ReorderedLoadConnector(OffloadConnectorScheduler):
@@ -221,13 +223,28 @@ class ResetKeepsStoreManager(OffloadManager):
         return None
 
 
+class KeptKeysIgnoredLRUPolicy(LRUPolicy):
+    """LRU that chooses its victims as if no key were to be kept."""
+
+    def choose(self, count, protected):
+        return super().choose(count, set())
+
+
+class KeptKeysIgnoredARCPolicy(ARCPolicy):
+    """ARC that chooses its victims as if no key were to be kept."""
+
+    def choose(self, count, protected):
+        return super().choose(count, set())
+
+
 class EvictsKeptKeysManager(OffloadManager):
     """vLLM #35846: prepare_store evicted keys it had been asked to keep (the protected set is ignored)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        choose = self.policy.choose
-        self.policy.choose = lambda count, protected: choose(count, set())
+        policies: dict[str, type[LRUPolicy | ARCPolicy]] = {"lru": KeptKeysIgnoredLRUPolicy,
+                                                             "arc": KeptKeysIgnoredARCPolicy}
+        self.policy = policies[self.policy_name](self.num_slots)
 
 
 class TouchIgnoredLRUPolicy(LRUPolicy):
@@ -283,7 +300,8 @@ class EvictsPinnedManager(OffloadManager):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.policy = {"lru": PinIgnoredLRUPolicy, "arc": PinIgnoredARCPolicy}[self.policy_name](self.num_slots)
+        policies: dict[str, type[LRUPolicy | ARCPolicy]] = {"lru": PinIgnoredLRUPolicy, "arc": PinIgnoredARCPolicy}
+        self.policy = policies[self.policy_name](self.num_slots)
 
     def prepare_load(self, keys):
         evictable = self.num_evictable  # a pinned block stays evictable
@@ -533,8 +551,9 @@ class NegativeSkipAnswerAdapter(ReferenceAdapter):
     def observe(self, result):
         observation = super().observe(result)
         skipping = {r for r, request in self.engine.requests.items() if request.skip_reading_prefix_cache}
-        answers = tuple(a.model_copy(update={"external_tokens": -1}) if a.request_id in skipping and a.external_tokens == 0
-                        else a for a in observation.match_answers)
+        answers = tuple(a.model_copy(update={"external_tokens": -1})
+                        if a.request_id in skipping and a.external_tokens == 0 else a
+                        for a in observation.match_answers)
         return observation.model_copy(update={"match_answers": answers})
 
 
@@ -572,7 +591,8 @@ class FailedLoadKeptEngine(Engine):
     """A failed load's tokens stay counted as computed: kv_load_failure_policy="recompute" ignored."""
 
     def _process(self, batch):
-        loading = {r: q.num_computed_tokens for r, q in self.requests.items() if q.status is RequestStatus.WAITING_FOR_LOAD}
+        loading = {r: q.num_computed_tokens for r, q in self.requests.items()
+                   if q.status is RequestStatus.WAITING_FOR_LOAD}
         super()._process(batch)
         for request_id, num_computed in loading.items():
             if self.loads_done.get(request_id) is False:
@@ -624,11 +644,13 @@ class Mutant:
 def engine_adapter(part: type) -> type[ReferenceAdapter]:
     """Return a reference adapter, named after `part`, whose engines are that Engine subclass or the reference
     `Engine` given that part through its constructor."""
+    engine: Callable[[EngineConfig, torch.device | None], Engine]
     if issubclass(part, Engine):
         engine = part
     else:
         keyword = next(keyword for base, keyword in PART_KEYWORDS.items() if issubclass(part, base))
-        engine = functools.partial(Engine, **{keyword: part})
+        given: dict[str, Any] = {keyword: part}  # the Engine parameter that takes a part of that base
+        engine = functools.partial(Engine, **given)
 
     def __init__(self: ReferenceAdapter, device: torch.device | None = None) -> None:
         ReferenceAdapter.__init__(self, device, engine=engine)

@@ -541,7 +541,8 @@ def directive_plugin_options(args: list[str], page: str) -> str:
 
 
 def directive_mutant_catalogue(args: list[str], page: str) -> str:
-    """Return the bug catalogue: per mutant, its vLLM reference, the clauses that observe it and the part it replaces."""
+    """Return the bug catalogue: per mutant, its vLLM reference, the clauses that observe it and the part it
+    replaces."""
     from kvconform.conformance.mutants import MUTANTS
 
     sections = []
