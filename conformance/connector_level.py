@@ -140,6 +140,10 @@ class ConnectorJudge:
         """Return no request: which requests a connector is still saving is its own business at this level."""
         return []
 
+    def stores_in_flight(self) -> bool:
+        """Return False: which saves a connector has in flight is its own business at this level."""
+        return False
+
     def transfers_pending(self) -> bool:
         """Return True while a load is in flight or a free is delayed: the transfers this level can see."""
         return bool(self.trace.loading or self.trace.delayed)
