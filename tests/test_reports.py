@@ -96,9 +96,9 @@ def test_bad_known_failures_file_is_exit_2(tmp_path: Path, text: str, message: s
 
 
 def test_reports_and_certify(tmp_path: Path) -> None:
-    """JSON and JUnit reports of a reference run; one JUnit case per clause, a model-only one skipped with its reason;
-    the reference certifies, and the table lists no clause: none failed, is known or went unexercised. The ci profile
-    draws every situation the reference supports in both scheduling modes (CONF-CAP-1, the exercise table)."""
+    """CONF-CAP-1 and the reports: the ci profile draws every situation the reference supports in both modes (the
+    exercise table); JSON and JUnit reports, one JUnit case per clause, a model-only one skipped with its reason; the
+    reference certifies, and the table lists no clause: none failed, is known or went unexercised."""
     report, junit = tmp_path / "r.json", tmp_path / "r.xml"
     code, stdout = run_printing("--report", str(report), "--junit", str(junit), "--certify")
     assert code == 0, stdout
