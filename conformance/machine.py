@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvconform.common.values import VARIANTS, Capabilities, EngineConfig, RequestSpec, TransferOutcome
+from kvconform.common.values import VARIANTS, Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance.execution import Diverged, Execution, Scheduling, Session
 from kvconform.conformance.operations import Call
 
@@ -207,15 +207,8 @@ class ConnectorStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.on_own_clock or self.run.state.busy())
     @rule(count=STEP_COUNTS, transfers_done=st.booleans())
     def step(self, count: int, transfers_done: bool) -> None:
-        """Step the engine `count` times; with `transfers_done`, every in-flight transfer succeeds before each step,
-        but for the last of several steps of an adapter that can: there they finish inside the step, where the worker
-        polls its jobs, and after an odd count of steps the loads fail (CONN-STEP-4, LIFE-LOAD-3). The count stands
-        for a coin of its own, which would shift every program drawn after it."""
-        for index in range(count):
-            if transfers_done and index == count - 1 > 0 and self.run.capabilities.complete_in_step:
-                loads_fail = count % 2 == 1 and self.run.capabilities.transfer_failures
-                self.apply("step", TransferOutcome(fail_loads=loads_fail))
-                continue
+        """Step both engines `count` times; with `transfers_done`, every in-flight transfer succeeds before each step."""
+        for _ in range(count):
             if transfers_done and not self.on_own_clock:
                 self.apply("complete_transfers", False, False)
             self.apply("step")
