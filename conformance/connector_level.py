@@ -94,12 +94,20 @@ class ConnectorJudge:
 
     def admitted_loads(self, observation: StepObservation) -> set[str]:
         """Return the requests whose asynchronous load the step admitted: answered with a load and left waiting with
-        the hit counted as computed. vLLM accepts its report from that very step on
-        (`_update_from_kv_xfer_finished`)."""
+        the hit counted as computed, or with the load reported failed in that step (its request then counts its local
+        hit only). vLLM accepts its report from that very step on (`_update_from_kv_xfer_finished`)."""
         return {answer.request_id for answer in observation.match_answers
                 if answer.load_async and answer.external_tokens and answer.external_tokens > 0
-                and observation.computed_tokens.get(answer.request_id)
-                == answer.local_hit_tokens + answer.external_tokens}
+                and (observation.computed_tokens.get(answer.request_id) == answer.local_hit_tokens
+                     + answer.external_tokens or answer.request_id in observation.loads_failed)}
+
+    def offered_loads(self, observation: StepObservation) -> dict[str, int]:
+        """Return the requests with a load offered, before this step or in it → the computed tokens it would complete."""
+        offered = dict(self.trace.loads)
+        for answer in observation.match_answers:
+            if answer.external_tokens and answer.external_tokens > 0:
+                offered[answer.request_id] = answer.local_hit_tokens + answer.external_tokens
+        return offered
 
     def story(self, request_id: str) -> str:
         """Return what led to a request's bytes: its latest load and the preemption before it, in words."""
@@ -141,6 +149,10 @@ class ConnectorJudge:
     def storing(self) -> list[str]:
         """Return no request: which requests a connector is still saving is its own business at this level."""
         return []
+
+    def stores_in_flight(self) -> bool:
+        """Return False: which saves a connector has in flight is its own business at this level."""
+        return False
 
     def transfers_pending(self) -> bool:
         """Return True while a load is in flight or a free is delayed: the transfers this level can see."""
@@ -298,12 +310,13 @@ def check_async_loads(judge: ConnectorJudge, observation: StepObservation) -> No
 @check("KVC-FAIL-1", kind="connector")
 def check_load_failures(judge: ConnectorJudge, observation: StepObservation) -> None:
     """A failed load is reported only for a request with a load; the tokens it failed to bring are then recomputed."""
+    offered = judge.offered_loads(observation)
     for request_id in observation.loads_failed:
         judge.exercise("KVC-FAIL-1")
-        if request_id not in judge.trace.loads:
+        if request_id not in offered:
             raise ClauseViolation("KVC-FAIL-1", f"the connector reported a failed load for request {request_id!r}, "
                                                 "which was offered no external tokens")
-        end, computed = judge.trace.loads[request_id], observation.computed_tokens.get(request_id, 0)
+        end, computed = offered[request_id], observation.computed_tokens.get(request_id, 0)
         if request_id in observation.computed_tokens and computed >= end:
             raise ClauseViolation("KVC-FAIL-1", f"request {request_id!r}: its load failed, yet it still counts all "
                                                 f"{computed} tokens the load was to complete as computed: what failed "

@@ -30,6 +30,7 @@ from kvconform.common.values import (
     StepObservation,
     TransferOutcome,
 )
+from kvconform.conformance import exercise
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Kind, checks_of
@@ -110,6 +111,8 @@ class Session:
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     """Seconds a drain waits for a connector on its own clock to go idle (`DEFAULT_DRAIN_TIMEOUT`)."""
     coverage: dict[str, int] = field(default_factory=dict)
+    exercise: exercise.Table = field(default_factory=dict)
+    """How often the run drew each situation, per scheduling mode (`exercise.SITUATIONS`, CONF-CAP-1)."""
     findings: dict[str, str] = field(default_factory=dict)
     """Faults the engine's scheduler masked, by clause (`connector_level.check_masked_answers`): reported, not
     failed."""
@@ -135,6 +138,7 @@ class EngineState(Protocol):
     def loading(self) -> list[str]: ...
     def running(self) -> list[str]: ...
     def storing(self) -> list[str]: ...
+    def stores_in_flight(self) -> bool: ...
     def transfers_pending(self) -> bool: ...
     def resident(self) -> list[str]: ...
     def busy(self) -> bool: ...
@@ -174,6 +178,9 @@ class Execution:
     def __init__(self, session: Session, coverage: dict[str, int] | None = None) -> None:
         self.session = session
         self.coverage = session.coverage if coverage is None else coverage
+        self.exercise: exercise.Table = session.exercise if coverage is None else {}
+        """Where the situations drawn are counted: the session's, but for a replay, whose calls a run has counted."""
+        self.mode: exercise.Mode = "sync"
         self.caller = AdapterCaller(session.call_timeout)
         self.judges: list[Judge] = []
         """One per level judged, the deeper level first; built at `start`."""
@@ -266,6 +273,8 @@ class Execution:
     def apply(self, call: Call) -> None:
         """Run `call` on the adapter and have every judge judge it; raise ClauseViolation on a failure."""
         self.program.append(call)
+        if self._state is not None:
+            exercise.note(self.exercise, self.mode, call, self.state)
         try:
             with self.executing():
                 getattr(self, f"_{call.operation}")(*call.args)
@@ -282,6 +291,7 @@ class Execution:
         levels = judged_levels(self.capabilities)
         self.judges = [judge(self, config) for level, judge in JUDGES.items() if level in levels]
         self._state = self.judges[0]
+        self.mode = "async" if config.async_scheduling else "sync"
         self.call("start", config)
 
     def _add_request(self, spec: RequestSpec) -> None:

@@ -159,6 +159,10 @@ class OffloadingJudge:
     def transfers_pending(self) -> bool:
         return bool(self.engine.in_flight_job_count())
 
+    def stores_in_flight(self) -> bool:
+        """Return True while a store job is in flight, a finished request's included."""
+        return any(job.is_store for job in self.engine.connector.jobs.values())
+
     def resident(self) -> list[str]:
         """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""
         loaded = [request_id for request_id, success in self.engine.loads_done.items()

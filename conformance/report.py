@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 import kvconform
 from kvconform.common.values import Capabilities, SpecLevel
+from kvconform.conformance import exercise
 from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.execution import RunStatistics, Scheduling
 from kvconform.conformance.runner import Outcome, RunResult
@@ -105,6 +106,10 @@ class RunReport(BaseModel):
     known_failures: dict[str, str] = Field(description="clause -> reason, from the known-failures files")
     known_failures_met: dict[str, int] = Field({}, description="every listed known-failure entry (its clause, and "
                                                                "its /cause/ if any) -> how many failures it covered")
+    exercise: dict[str, dict[str, int]] = Field({}, description="scheduling mode -> situation -> how often the run "
+                                                                "drew it (conformance.exercise.SITUATIONS)")
+    never_drawn: list[str] = Field([], description="'mode: situation' for each situation the adapter supports that "
+                                                   "the run never drew in a mode it ran: a gap in the kit's strategies")
     run_time_coverage: RunTimeCoverage = Field(description="how many of the MUST clauses that count were judged at "
                                                            "run time, and how those fared")
     clauses: list[ClauseResult] = Field(description="one verdict per clause of the spec")
@@ -127,7 +132,8 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
         found_after=None if result.found_after is None else round(result.found_after, 3), statistics=result.statistics,
         failed_clause=result.failed_clause, message=result.message, counterexample=result.counterexample,
         program=result.program, adapter_traceback=result.adapter_traceback, known_failures=known_failures or {},
-        known_failures_met=result.known_failures_met,
+        known_failures_met=result.known_failures_met, exercise=result.exercise,
+        never_drawn=exercise.never_drawn(result.exercise, capabilities),
         run_time_coverage=run_time_coverage(clauses, result.levels), clauses=clauses,
     )
     run_report.certified_levels = [level for level in run_report.levels if not certification_gaps(run_report, level)]
@@ -181,6 +187,7 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
     met = {name: sum(part.known_failures_met.get(name, 0) for part in parts) for name in first.known_failures_met}
     stale = [name for name, count in met.items() if not count and name not in rare_known_failures]
     coverage = {c.id: sum(part.clauses[i].exercised for part in parts) for i, c in enumerate(first.clauses)}
+    drawn = exercise.added(part.exercise for part in parts)
     failure: dict[str, Any] = dict(failed_clause=None, message=None, counterexample=None, program=None,
                                    adapter_traceback=None, found_after=None)
     if failing is not None:
@@ -197,6 +204,7 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
         seconds=max(part.seconds for part in parts), statistics=statistics, known_failures_met=met,
         **failure,
         findings={clause: finding for part in reversed(parts) for clause, finding in part.findings.items()},
+        exercise=drawn, never_drawn=exercise.never_drawn(drawn, first.capabilities),
         clauses=clauses, run_time_coverage=run_time_coverage(clauses, first.levels),
         shards=[ShardResult(index=index, seed=part.seed, statistics=part.statistics, seconds=part.seconds,
                             outcome=part.outcome, failed_clause=part.failed_clause)

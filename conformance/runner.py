@@ -41,6 +41,8 @@ class RunResult:
     found_after: float | None = None
     statistics: RunStatistics = field(default_factory=RunStatistics)
     coverage: dict[str, int] = field(default_factory=dict)
+    exercise: dict[str, dict[str, int]] = field(default_factory=dict)
+    """How often the run drew each situation, per scheduling mode (`exercise.SITUATIONS`)."""
     failed_clause: str | None = None
     message: str | None = None
     counterexample: str | None = None
@@ -94,7 +96,7 @@ def run(
     settings = profile_settings(profile, seed is not None, database, shard.examples(PROFILES[profile].max_examples))
     started = time.perf_counter()
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
-                       statistics=session.statistics, coverage=session.coverage, drain_timeout=drain_timeout,
+                       statistics=session.statistics, coverage=session.coverage, exercise=session.exercise, drain_timeout=drain_timeout,
                        findings=session.findings)
     try:
         # Hypothesis reports nothing: the result reports the call program

@@ -150,6 +150,22 @@ ROWS_THAT_MATTER = ("fail", "known failure", "not exercised")
 """The verdicts the clause table lists without --verbose: what a reader has to act on or know is unjudged."""
 
 
+def _print_exercise(console: Console, run_report) -> None:
+    """Print the exercise table: how often the run drew each situation, per scheduling mode, and the supported ones
+    it never drew (CONF-CAP-1)."""
+    if not run_report.exercise:
+        return
+    modes = sorted(run_report.exercise)
+    table = Table(title="situations drawn")
+    for column in ("situation", *modes):
+        table.add_column(column)
+    for name in run_report.exercise[modes[0]]:
+        table.add_row(name, *(str(run_report.exercise[mode].get(name, 0)) for mode in modes))
+    console.print(table)
+    for gap in run_report.never_drawn:
+        console.print(f"[yellow]never drawn[/], though the adapter supports it: {gap}", soft_wrap=True)
+
+
 def _print_table(console: Console, run_report, verbose: bool = False) -> None:
     """Print the run-time coverage line, then the clauses of the judged levels that matter (every one if `verbose`)."""
     coverage = run_report.run_time_coverage.summary()
@@ -168,6 +184,7 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print(table)
     if not verbose:
         console.print("(--verbose lists every clause)")
+    _print_exercise(console, run_report)
     for clause, finding in run_report.findings.items():
         console.print(f"[yellow]masked[/] {clause}: {finding}", soft_wrap=True)
     if run_report.known_failures_met:

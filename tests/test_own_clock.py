@@ -27,7 +27,12 @@ from kvconform.common.values import (
 )
 from kvconform.conformance import options, runner
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.connector_level import ConnectorJudge, check_async_loads, check_resident_bytes
+from kvconform.conformance.connector_level import (
+    ConnectorJudge,
+    check_async_loads,
+    check_load_failures,
+    check_resident_bytes,
+)
 from kvconform.conformance.execution import Execution, Session, replay
 from kvconform.conformance.mutants import black_box
 from kvconform.conformance.operations import Call
@@ -112,6 +117,20 @@ def test_a_load_reported_in_the_step_that_admitted_it_is_accepted() -> None:
     check_async_loads(judge, observation)
     judge.follow(observation)
     assert not judge.trace.loading and judge.trace.loaded == {"r"}
+
+
+def test_a_load_admitted_and_failed_in_one_step_is_accepted() -> None:
+    """A load that fails in the step that admitted it is reported finished and failed there, and its request counts
+    its local hit only: vLLM accepts it, so neither KVC-ASYNC-1 nor KVC-FAIL-1 fails (the reference does this when
+    its transfers complete inside the step)."""
+    judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT))
+    observation = StepObservation(scheduled_tokens={}, computed_tokens={"r": 0}, loads_finished=("r",),
+                                  loads_failed=("r",), match_answers=(MatchAnswer(
+                                      request_id="r", local_hit_tokens=0, external_tokens=4, load_async=True),))
+    check_async_loads(judge, observation)
+    check_load_failures(judge, observation)
+    judge.follow(observation)
+    assert not judge.trace.loading
 
 
 class ClockChangesReference(WallClockReference):
