@@ -102,7 +102,7 @@ class ConnectorJudge:
                      + answer.external_tokens or answer.request_id in observation.loads_failed)}
 
     def offered_loads(self, observation: StepObservation) -> dict[str, int]:
-        """Return the requests with a load offered, before this step or in it → the computed tokens it would complete."""
+        """Return the requests with a load offered, before this step or in it -> the computed tokens it would reach."""
         offered = dict(self.trace.loads)
         for answer in observation.match_answers:
             if answer.external_tokens and answer.external_tokens > 0:

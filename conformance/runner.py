@@ -96,8 +96,8 @@ def run(
     settings = profile_settings(profile, seed is not None, database, shard.examples(PROFILES[profile].max_examples))
     started = time.perf_counter()
     result = RunResult(adapter_name, profile, seed, passed=True, seconds=0.0, scheduling=scheduling,
-                       statistics=session.statistics, coverage=session.coverage, exercise=session.exercise, drain_timeout=drain_timeout,
-                       findings=session.findings)
+                       statistics=session.statistics, coverage=session.coverage, exercise=session.exercise,
+                       drain_timeout=drain_timeout, findings=session.findings)
     try:
         # Hypothesis reports nothing: the result reports the call program
         with reporting.with_reporter(lambda text: None), programs_from_seed_alone(), hang_detection():
