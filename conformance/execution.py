@@ -335,8 +335,7 @@ class Execution:
         """Step until the engine is idle, then check for leaks and liveness.
 
         Where the harness completes transfers, it completes every one before each step, for at most `DRAIN_STEP_LIMIT`
-        steps (for an adapter that can, inside its third step, where the worker polls its jobs: CONN-STEP-4). A
-        connector on its own clock finishes its transfers itself: the drain steps the engine as vLLM's engine
+        steps. A connector on its own clock finishes its transfers itself: the drain steps the engine as vLLM's engine
         core does while requests wait for remote KV, until it is idle or the session's drain deadline has passed, and
         the verdicts say how long they waited (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1)."""
         harness_completes = self.capabilities.harness_completes_transfers
@@ -349,15 +348,9 @@ class Execution:
 
         def step() -> None:
             nonlocal steps
-            if harness_completes and steps == 2 and self.capabilities.complete_in_step:
-                in_step = Call("step", (TransferOutcome(),))
-                exercise.note(self.exercise, self.mode, in_step, self.state)
-                self._step(*in_step.args)
-            elif harness_completes:
+            if harness_completes:
                 self._complete_transfers(False, False)
-                self._step()
-            else:
-                self._step()
+            self._step()
             steps += 1
             if not harness_completes and not self.observations[-1].scheduled_tokens:
                 time.sleep(IDLE_STEP_PAUSE)

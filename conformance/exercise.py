@@ -55,8 +55,7 @@ SITUATIONS = (
               and state.stores_in_flight(),
               lambda capabilities: capabilities.transfer_failures and "offloading" in capabilities.levels),
     Situation("transfers completed inside a step",
-              lambda call, state: call.operation == "step" and _arg(call, 0) is not None
-              and state.transfers_pending(),
+              lambda call, state: call.operation == "step" and _arg(call, 0) is not None and state.transfers_pending(),
               lambda capabilities: capabilities.complete_in_step),
     Situation("preemption with stores in flight",
               lambda call, state: call.operation == "preempt" and call.args[0] in state.storing(),
