@@ -9,6 +9,7 @@ computed before in the same tenant, every byte right, every async load reported 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -245,35 +246,35 @@ def record_masked(judge: ConnectorJudge, fault: ClauseViolation) -> None:
                                                               "(vLLM 0.23, 0.24)")
 
 
+def judge_answers(judge: ConnectorJudge, observation: StepObservation, clause: str,
+                  judged: Callable[[MatchAnswer], bool]) -> None:
+    """Raise the first fault of `clause` among the answers the engine took that `judged` selects; record those of the
+    answers its scheduler replaced as findings (`record_masked`)."""
+    for answer in observation.match_answers:
+        if judged(answer):
+            judge.exercise(clause)
+            fault = answer_fault(judge, answer)
+            if fault is not None and fault.clause == clause:
+                raise fault
+    for answer in observation.masked_answers:
+        fault = answer_fault(judge, answer)
+        if fault is not None and fault.clause == clause:
+            record_masked(judge, fault)
+
+
 @check("KVC-MATCH-1", kind="connector")
 def check_answer_range(judge: ConnectorJudge, observation: StepObservation) -> None:
     """Every answer is None or a non-negative count within the request's tokens, asynchronous only when not 0; one the
     scheduler replaced is judged as the connector gave it, a finding (`record_masked`)."""
-    for answer in observation.match_answers:
-        judge.exercise("KVC-MATCH-1")
-        fault = answer_fault(judge, answer)
-        if fault is not None and fault.clause == "KVC-MATCH-1":
-            raise fault
-    for answer in observation.masked_answers:
-        fault = answer_fault(judge, answer)
-        if fault is not None and fault.clause == "KVC-MATCH-1":
-            record_masked(judge, fault)
+    judge_answers(judge, observation, "KVC-MATCH-1", lambda answer: True)
 
 
 @check("KVC-SKIP-1", kind="connector")
 def check_skip_read_black_box(judge: ConnectorJudge, observation: StepObservation) -> None:
     """A request that must not read cached KV gets no external tokens and so no load; an answer the scheduler replaced
     is judged as the connector gave it, a finding (`record_masked`)."""
-    for answer in observation.match_answers:
-        if judge.requests[answer.request_id].skip_reading_prefix_cache:
-            judge.exercise("KVC-SKIP-1")
-            fault = answer_fault(judge, answer)
-            if fault is not None and fault.clause == "KVC-SKIP-1":
-                raise fault
-    for answer in observation.masked_answers:
-        fault = answer_fault(judge, answer)
-        if fault is not None and fault.clause == "KVC-SKIP-1":
-            record_masked(judge, fault)
+    judge_answers(judge, observation, "KVC-SKIP-1",
+                  lambda answer: judge.requests[answer.request_id].skip_reading_prefix_cache)
 
 
 @check("KVC-HIT-1", kind="connector")
