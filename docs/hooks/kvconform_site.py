@@ -587,7 +587,7 @@ def expand_directives(markdown: str, page: str) -> str:
     return DIRECTIVE.sub(lambda match: render_directive(match, page) + "\n", markdown)
 
 
-TIMINGS = re.compile(r'("seconds": |"found_after": |time=")[\d.]+')
+TIMINGS = re.compile(r'(seconds": |"found_after": |time=")[\d.]+')
 
 
 def fill_regions(markdown: str, page: str) -> str:
