@@ -69,11 +69,12 @@ def index_releases() -> list[Version]:
     return sorted(version for version in found if version >= install.OLDEST and not version.is_prerelease)
 
 
-def parse_releases(text: str, listed: Callable[[], list[Version]] = index_releases,
+def parse_releases(text: str, listed: Callable[[], list[Version]] | None = None,
                    ready: Callable[[str], bool] = lambda version: False) -> list[str]:
     """Return the releases `text` names — `A,B,C` or the range `A..B` (both ends included, the index's releases
     between) — in order; raise ReleaseProblem, one line, for a malformed list, an unknown or yanked release (not
     on the index; a release whose environment is `ready` needs no index) or one older than the adapters drive."""
+    listed = listed or index_releases
     text = text.strip()
     ranged = RANGE.match(text)
     if ranged is not None:
