@@ -196,3 +196,60 @@ def test_the_black_box_offloading_connector_across_two_releases(tmp_path: Path) 
     gathered = releases.ReleasesReport.model_validate_json((tmp_path / "all.json").read_text())
     assert [(row.release, row.outcome) for row in gathered.releases] == [(v, "ok") for v in RELEASES_RUN]
     assert all(row.report and row.report.implementation_version == f"vllm {row.release}" for row in gathered.releases)
+
+
+def test_the_behaviours_an_adapter_detects_are_in_its_banner_and_report(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CONF-CAP-1: what `behaviours()` returns is named in the run's banner (release, behaviours, known-failures files)
+    and in its report, whole."""
+    (tmp_path / "behaving.py").write_text(
+        "from kvconform.adapters.reference import ReferenceAdapter\n"
+        "class Adapter(ReferenceAdapter):\n"
+        "    def behaviours(self):\n"
+        "        return ('offers-at-finish: here.py:12', 'arc-t1-fallback: there.py:3')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = CliRunner().invoke(main, ["run", "--adapter", "behaving:Adapter", "--profile", "smoke", "--database",
+                                       "none", "--scheduling", "sync", "--report", str(tmp_path / "run.json")])
+    assert result.exit_code == 0, result.stderr
+    assert ": behaviours detected: offers-at-finish, arc-t1-fallback; known failures: none listed" in result.stderr
+    written = report.RunReport.model_validate_json((tmp_path / "run.json").read_text())
+    assert written.behaviours == ["offers-at-finish: here.py:12", "arc-t1-fallback: there.py:3"]
+
+
+SCHEDULER_SOURCE = '''
+class Scheduler:
+    def schedule(self):
+        for request in self.waiting:
+            ext_tokens, load_kv_async = (
+                self.connector.get_num_new_matched_tokens(
+                    request, num_computed_tokens
+                )
+            )
+            if {condition}:
+                ext_tokens, load_kv_async = 0, False
+'''
+
+
+@pytest.mark.parametrize(("condition", "found"), [
+    ("request.skip_reading_prefix_cache", "request.skip_reading_prefix_cache"),  # 0.32, 0.33 (scheduler.py:1143)
+    ("request.skip_reading_external_kv", "request.skip_reading_external_kv"),  # 0.34
+])
+def test_a_scheduler_replacing_a_skip_read_answer_is_read_from_its_code(tmp_path: Path, condition: str,
+                                                                       found: str) -> None:
+    """KVC-SKIP-1: whether a release's scheduler answers a skip-read request (0, False) itself is read from the code of
+    its `schedule`, whichever attribute it tests; a scheduler that takes every answer as given (0.23 – 0.30) shows
+    none."""
+    import importlib.util
+
+    from kvconform.adapters.vllm import engine
+
+    for name, text in (("replacing", SCHEDULER_SOURCE.format(condition=condition)),
+                       ("taking", SCHEDULER_SOURCE.replace("if {condition}:\n                ext_tokens, "
+                                                           "load_kv_async = 0, False\n", ""))):
+        module_name = f"{name}_{len(condition)}"
+        (tmp_path / f"{module_name}.py").write_text(text)
+        spec = importlib.util.spec_from_file_location(module_name, tmp_path / f"{module_name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert engine.skip_read_source(module.Scheduler) == (found if name == "replacing" else None)
