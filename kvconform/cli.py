@@ -457,6 +457,45 @@ def bench_command(only: str | None, json_path: Path, seeds: int, mutants: str | 
                f"written to {json_path}", err=True)
 
 
+@main.command("matrix")
+@click.option("--row", "rows", multiple=True, type=click.Choice(sorted(("vllm-offloading", "vllm-simple-cpu",
+                                                                      "vllm-connector-OffloadingConnector"))),
+              help="Run only this row (repeatable; default: every row)")
+@click.option("--vllm", "vllm_releases", default=None, metavar="A,B,C|A..B",
+              help="Run only these releases (default: every release kvconform ships a verdict table for)")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The matrix to update (default: docs/release-matrix.json of this source tree)")
+def matrix_command(rows: tuple[str, ...], vllm_releases: str | None, output: Path | None) -> None:
+    """Run each vLLM adapter on each release (smoke profile, shipped known failures) and update the release matrix the
+    docs render (docs/adapters/vllm-releases.md): verdict, steps and known failures met per cell."""
+    from kvconform import releases
+
+    tree = releases.source_tree()
+    if output is None and tree is None:
+        _usage_error("no source tree to write docs/release-matrix.json into: pass --output PATH")
+    path = output or Path(str(tree)) / "docs" / "release-matrix.json"
+    try:
+        versions = (releases.verdict_releases() if vllm_releases is None else releases.parse_releases(
+            vllm_releases, ready=lambda version: releases.is_ready(releases.environment(version))))
+        options.check_writable(path)
+        matrix = (releases.ReleaseMatrix.model_validate_json(path.read_text()) if path.exists()
+                  else releases.ReleaseMatrix())
+    except (releases.ReleaseProblem, options.UsageProblem, ValueError) as problem:
+        _usage_error(str(problem).splitlines()[0])
+    failed = 0
+    for row in rows or tuple(releases.MATRIX_ROWS):
+        for version in versions:
+            cell = releases.matrix_cell(row, version, say=lambda line: click.echo(line, err=True))
+            matrix.put(cell)
+            report.write_atomically(path, matrix.model_dump_json(indent=1) + "\n")
+            failed += cell.outcome != "ok"
+            met = sum(entry.met for entry in cell.entries)
+            click.echo(f"{row} on vllm {version}: {cell.outcome} ({cell.failed_clause or 'no failure'}), "
+                       f"{cell.steps} steps, {cell.seconds:.0f}s, {met} known failures met")
+    click.echo(f"kvconform: {path} updated; run python docs/hooks/kvconform_site.py to render it", err=True)
+    sys.exit(EXIT_NONCONFORMANT if failed else EXIT_CONFORMANT)
+
+
 @main.command("adapters")
 def adapters_command() -> None:
     """List the registered adapters."""

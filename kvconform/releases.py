@@ -316,3 +316,97 @@ def junit_xml(releases: ReleasesReport) -> str:
     root.append(suite)
     ElementTree.indent(root)
     return ElementTree.tostring(root, encoding="unicode", xml_declaration=True)
+
+
+# --- the release matrix: every vLLM adapter on every release with a verdict table ----------------------------------
+
+MATRIX_ROWS: dict[str, tuple[str, ...]] = {
+    "vllm-offloading": ("--adapter", "vllm-offloading"),
+    "vllm-simple-cpu": ("--adapter", "vllm-simple-cpu"),
+    "vllm-connector-OffloadingConnector": ("--adapter", "vllm-connector", "--connector", "OffloadingConnector"),
+}
+"""The rows of the matrix: the two white-box adapters and the black-box OffloadingConnector, each by its known-failures
+file name (`ROW-VERSION.txt`)."""
+MATRIX_PROFILE = "smoke"
+CLASSES = ("bug", "design", "variant")
+"""How a shipped entry's reason starts: a real bug of the release (file:line), a design choice the spec should allow,
+a variant the spec allows that the adapter does not declare."""
+
+
+def known_failures_folder() -> Path:
+    """Return the folder of the vLLM adapters' shipped known-failures files."""
+    return Path(install.__file__).with_name("known-failures")
+
+
+def verdict_releases() -> list[str]:
+    """Return the releases kvconform ships a verdict table for (a scheduler file `vllm-X.txt`), oldest first."""
+    found = (re.fullmatch(r"vllm-(?P<version>\d+\.\d+\.\d+)\.txt", path.name)
+             for path in known_failures_folder().glob("vllm-*.txt"))
+    return [str(version) for version in sorted(Version(match["version"]) for match in found if match)]
+
+
+def entry_class(reason: str) -> str:
+    """Return the class a shipped entry's reason starts with (CLASSES), or `unclassified`."""
+    word = reason.split(":", 1)[0].strip()
+    return word if word in CLASSES else "unclassified"
+
+
+class MatrixEntry(BaseModel):
+    """One known-failure entry a cell used: its name, class and how often the run met it."""
+
+    name: str
+    file: str = Field(description="the shipped file that lists it")
+    entry_class: str = Field(description="bug, design, variant, or unclassified")
+    met: int
+
+
+class MatrixCell(BaseModel):
+    """One adapter on one release, smoke profile, with its shipped known failures."""
+
+    row: str
+    release: str
+    outcome: Outcome
+    failed_clause: str | None = None
+    message: str | None = None
+    steps: int = 0
+    seconds: float = 0.0
+    behaviours: list[str] = []
+    entries: list[MatrixEntry] = []
+
+
+class ReleaseMatrix(BaseModel):
+    """The verdicts of every matrix row on every release it was run on (docs/release-matrix.json)."""
+
+    profile: str = MATRIX_PROFILE
+    cells: list[MatrixCell] = []
+
+    def put(self, cell: MatrixCell) -> None:
+        """Replace the cell of the same row and release, or add it; keep cells in row, then release, order."""
+        self.cells = [c for c in self.cells if (c.row, c.release) != (cell.row, cell.release)] + [cell]
+        rows = list(MATRIX_ROWS)
+        self.cells.sort(key=lambda c: (rows.index(c.row) if c.row in rows else len(rows), Version(c.release)))
+
+
+def matrix_cell(row_name: str, version: str, say: Callable[[str], None] = print,
+                timeout: float = RELEASE_TIMEOUT) -> MatrixCell:
+    """Run one matrix cell: the row's adapter on the release, smoke profile, with the release's and the row's shipped
+    known failures; return its verdict, steps and every entry it used, classified."""
+    shipped = known_failures_folder() / f"{row_name}-{version}.txt"
+    arguments = [*MATRIX_ROWS[row_name], "--profile", MATRIX_PROFILE, "--database", "none",
+                 *(["--known-failures", str(shipped)] if shipped.is_file() else [])]
+    try:
+        env = prepare(version, say)
+    except ReleaseProblem as problem:
+        return MatrixCell(row=row_name, release=version, outcome="error", message=str(problem))
+    result = run_release(version, env, arguments, timeout, say)
+    entries = []
+    if result.report is not None:
+        from kvconform.conformance import baseline
+
+        for file in result.report.known_failures_files:
+            for entry in baseline.load(Path(file)).listed:
+                entries.append(MatrixEntry(name=entry.name, file=Path(file).name, entry_class=entry_class(entry.reason),
+                                           met=result.known_failures_met.get(entry.name, 0)))
+    return MatrixCell(row=row_name, release=version, outcome=result.outcome, failed_clause=result.failed_clause,
+                      message=result.message, steps=result.steps, seconds=result.seconds,
+                      behaviours=[b.partition(":")[0] for b in result.behaviours], entries=entries)
