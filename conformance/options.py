@@ -155,14 +155,17 @@ def adapter_module(adapter_spec: str) -> str:
     return available().get(adapter_spec, adapter_spec).partition(":")[0]
 
 
-def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard: Shard = Shard()) -> report.RunReport:
-    """Run the state machine as `options` say, or one `shard` of it, and return its report (not yet written).
+def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard: Shard = Shard(),
+        on_shrink: Callable[[str], None] | None = None) -> report.RunReport:
+    """Run the state machine as `options` say, or one `shard` of it, and return its report (not yet written); a long
+    shrink says how far it got to `on_shrink`.
 
     A part of a split run finds no known failure stale: only the merge of all parts can (`report.merge`)."""
     result = runner.run(options.factory, options.adapter_spec, options.profile, options.seed, on_example=on_example,
                         call_timeout=options.call_timeout, scheduling=options.scheduling,
                         baseline=baseline.Baseline(list(options.known_entries), all_rare=shard.count > 1),
-                        database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout)
+                        database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout,
+                        on_shrink=on_shrink)
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures,
                         behaviours=list(options.behaviours), known_failures_files=list(options.known_failures_files))
 

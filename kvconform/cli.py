@@ -112,7 +112,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=console, transient=True) as progress:
                 task = progress.add_task("examples", total=PROFILES[profile].max_examples)
-                run_report = options.run(run, on_example=lambda: progress.advance(task))
+                run_report = options.run(run, on_example=lambda: progress.advance(task), on_shrink=lambda line:
+                                         progress.console.print(f"kvconform: {line}", highlight=False))
         except KeyboardInterrupt:
             click.echo("kvconform: interrupted; no report written", err=True)
             sys.exit(EXIT_INTERRUPTED)
