@@ -253,3 +253,23 @@ def test_a_scheduler_replacing_a_skip_read_answer_is_read_from_its_code(tmp_path
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         assert engine.skip_read_source(module.Scheduler) == (found if name == "replacing" else None)
+
+
+def test_the_plugin_runs_one_test_per_release_into_one_report(tmp_path: Path) -> None:
+    """`pytest --kv-vllm`: one test per release, run as `kvconform run --vllm` runs it; one report; a bad list is a
+    usage error."""
+    envs = fake_environments(tmp_path / "envs", "0.28.0", "0.30.0")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-c",
+            str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), "--kv-adapter", "reference", "--kv-profile",
+            "smoke", "--kv-scheduling", "sync", "--kv-database", "none"]
+    env = {**os.environ, releases.ENVS_VARIABLE: str(envs)}
+    completed = subprocess.run([*base, "--kv-vllm", "0.28.0,0.30.0", "--kv-report", str(tmp_path / "all.json")],
+                               capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert completed.returncode == 0 and "2 passed" in completed.stdout, completed.stdout + completed.stderr
+    gathered = releases.ReleasesReport.model_validate_json((tmp_path / "all.json").read_text())
+    assert [(row.release, row.outcome) for row in gathered.releases] == [("0.28.0", "ok"), ("0.30.0", "ok")]
+    refused = subprocess.run([*base, "--kv-vllm", "0.28.0.."], capture_output=True, text=True, timeout=600, env=env,
+                             cwd=tmp_path)
+    assert refused.returncode == 4, refused.stderr
+    assert "expected releases A,B,C or a range A..B" in refused.stderr, refused.stderr

@@ -543,8 +543,9 @@ def directive_release_matrix(args: list[str], page: str) -> str:
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for cell in matrix.cells:
         for entry in (e for e in cell.entries if e.met):
+            name = entry.name.replace("|", "&#124;")
             lines.append(f"| `{cell.row}` | {cell.release} | {', '.join(cell.behaviours) or 'none'} | "
-                         f"`{entry.name.replace('|', '&#124;')}` | {entry.met} | {entry.entry_class} | `{entry.file}` |")
+                         f"`{name}` | {entry.met} | {entry.entry_class} | `{entry.file}` |")
     return "\n".join(lines) + "\n"
 
 
