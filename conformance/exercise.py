@@ -35,12 +35,12 @@ def _arg(call: Call, index: int) -> object:
     return call.args[index] if len(call.args) > index else None
 
 
-def _fails_loads(call: Call) -> bool:
-    """Return whether `call` fails the loads in flight: before a step, or inside it."""
+def _fails(call: Call, transfers: str) -> bool:
+    """Return whether `call` fails the `transfers` ("loads" or "stores") in flight: before a step, or inside it."""
     if call.operation == "complete_transfers":
-        return bool(call.args[0])
+        return bool(call.args[0 if transfers == "loads" else 1])
     outcome = _arg(call, 0) if call.operation == "step" else None
-    return isinstance(outcome, TransferOutcome) and outcome.fail_loads
+    return isinstance(outcome, TransferOutcome) and getattr(outcome, f"fail_{transfers}")
 
 
 SITUATIONS = (
@@ -48,11 +48,10 @@ SITUATIONS = (
               lambda call, state: call.operation == "abort" and call.args[0] in state.loading(),
               lambda capabilities: capabilities.abort),
     Situation("failed load",
-              lambda call, state: _fails_loads(call) and bool(state.loading()),
+              lambda call, state: _fails(call, "loads") and bool(state.loading()),
               lambda capabilities: capabilities.transfer_failures),
     Situation("failed store",
-              lambda call, state: call.operation == "complete_transfers" and bool(call.args[1])
-              and state.stores_in_flight(),
+              lambda call, state: _fails(call, "stores") and state.stores_in_flight(),
               lambda capabilities: capabilities.transfer_failures and "offloading" in capabilities.levels),
     Situation("transfers completed inside a step",
               lambda call, state: call.operation == "step" and _arg(call, 0) is not None and state.transfers_pending(),

@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvconform.common.values import VARIANTS, Capabilities, EngineConfig, RequestSpec
+from kvconform.common.values import VARIANTS, Capabilities, EngineConfig, RequestSpec, TransferOutcome
 from kvconform.conformance.execution import Diverged, Execution, Scheduling, Session
 from kvconform.conformance.operations import Call
 
@@ -174,9 +174,12 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         self.added_since_drain = 0
 
     @precondition(lambda self: self.live_requests() < MAX_LIVE_REQUESTS)
-    @rule(data=st.data())
-    def add_request(self, data: st.DataObject) -> None:
-        self.add(data.draw(new_requests(f"r{len(self.run.requests)}"), label="request"))
+    @rule(data=st.data(), count=BURSTS)
+    def add_request(self, data: st.DataObject, count: int) -> None:
+        """Add a burst of new requests: arriving together, three or more run at once, so that a preemption has a
+        choice of victims (SCHED-PREEMPT-1)."""
+        for _ in range(min(count, MAX_LIVE_REQUESTS - self.live_requests())):
+            self.add(data.draw(new_requests(f"r{len(self.run.requests)}"), label="request"))
 
     @precondition(lambda self: self.run.requests and self.live_requests() < MAX_LIVE_REQUESTS)
     @rule(data=st.data(), count=BURSTS)
@@ -216,17 +219,16 @@ class ConnectorStateMachine(RuleBasedStateMachine):
             self.apply("step")
 
     @precondition(lambda self: not self.on_own_clock and self.run.state.transfers_pending())
-    @rule(fail_loads=SOMETIMES, fail_stores=SOMETIMES)
-    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+    @rule(fail_loads=SOMETIMES, fail_stores=SOMETIMES, in_step=SOMETIMES)
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool, in_step: bool) -> None:
+        """Complete every transfer in flight; with `in_step`, inside the next step, where the worker polls them
+        (CONN-STEP-4)."""
         failures = self.run.capabilities.transfer_failures
-        self.apply("complete_transfers", fail_loads and failures, fail_stores and failures)
-
-    @precondition(lambda self: self.run.capabilities.transfer_failures and not self.on_own_clock
-                  and self.run.state.loading())
-    @rule()
-    def fail_loads(self) -> None:
-        """Fail every load in flight: a rule of its own, as the window is short (LIFE-LOAD-3, KVC-FAIL-1)."""
-        self.apply("complete_transfers", True, False)
+        outcome = TransferOutcome(fail_loads=fail_loads and failures, fail_stores=fail_stores and failures)
+        if in_step and self.run.capabilities.complete_in_step:
+            self.apply("step", outcome)
+        else:
+            self.apply("complete_transfers", outcome.fail_loads, outcome.fail_stores)
 
     @precondition(lambda self: self.run.capabilities.abort and (self.on_own_clock or self.run.state.unfinished()))
     @rule(data=st.data())
@@ -235,12 +237,26 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         if request_id is not None:
             self.apply("abort", request_id)
 
-    @precondition(lambda self: self.run.capabilities.abort and (self.on_own_clock or self.run.state.loading()))
+    def load_interruptions(self) -> list[str]:
+        """Return what the adapter lets a program do while loads are in flight: abort one, fail them, reset the
+        prefix cache (and the connector, where it can); on the connector's clock, only abort."""
+        capabilities = self.run.capabilities
+        offered = {"abort": capabilities.abort, "fail": capabilities.transfer_failures, "reset": True}
+        return [action for action, supported in offered.items()
+                if supported and (action == "abort" or not self.on_own_clock)]
+
+    @precondition(lambda self: self.load_interruptions() and (self.on_own_clock or self.run.state.loading()))
     @rule(data=st.data())
-    def abort_during_load(self, data: st.DataObject) -> None:
-        """Abort a request whose load is in flight: a rule of its own, as the window is short."""
-        request_id = self.pick(data, self.run.state.loading())
-        if request_id is not None:
+    def interrupt_loads(self, data: st.DataObject) -> None:
+        """Abort a request whose load is in flight, fail every load in flight, or reset the prefix cache while they
+        are: one rule for the short window, so that each of them is drawn in every mode (LIFE-ABORT-1, LIFE-LOAD-3,
+        KVC-FAIL-1, OFF-MGR-8)."""
+        action = data.draw(st.sampled_from(self.load_interruptions()), label="interruption")
+        if action == "fail":
+            self.apply("complete_transfers", True, False)
+        elif action == "reset":
+            self.apply("reset_prefix_cache", self.run.capabilities.reset_connector)
+        elif (request_id := self.pick(data, self.run.state.loading())) is not None:
             self.apply("abort", request_id)
 
     @precondition(lambda self: self.run.capabilities.preemption and (self.on_own_clock or self.run.state.running()))

@@ -14,7 +14,15 @@ from typing import Any
 
 from kvconform.adapters.contract import ImplementationFailure
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.common.values import BlockRef, Capabilities, RequestSpec, ResourceUsage, StepObservation, StoreJob
+from kvconform.common.values import (
+    BlockRef,
+    Capabilities,
+    RequestSpec,
+    ResourceUsage,
+    StepObservation,
+    StoreJob,
+    TransferOutcome,
+)
 from kvconform.conformance.mutants import black_box
 
 
@@ -84,8 +92,8 @@ class AnswersSkipReadRequests(ReferenceAdapter):
         if request.skip_reading_prefix_cache:
             self.skipping = getattr(self, "skipping", set()) | {request.request_id}
 
-    def step(self) -> StepObservation:
-        observation = super().step()
+    def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
+        observation = super().step(complete_transfers)
         answers = tuple(a.model_copy(update={"external_tokens": 4, "load_async": True})
                         if a.request_id in getattr(self, "skipping", set()) else a for a in observation.match_answers)
         return observation.model_copy(update={"match_answers": answers})
@@ -132,9 +140,9 @@ def factory_raising() -> ReferenceAdapter:
 class SlowAdapter(ReferenceAdapter):
     """Correct but slow: long enough runs for the Ctrl-C test to interrupt one."""
 
-    def step(self) -> StepObservation:
+    def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
         time.sleep(0.02)
-        return super().step()
+        return super().step(complete_transfers)
 
 
 class SyncOnlyAdapter(ReferenceAdapter):
@@ -159,10 +167,10 @@ def failing_reset(recovered: bool) -> type[ReferenceAdapter]:
             raise ImplementationFailure("OFF-MGR-8", "the connector reset failed", recovered=recovered, result=result)
         return result
 
-    def step(self: ReferenceAdapter) -> StepObservation:
+    def step(self: ReferenceAdapter, complete_transfers: TransferOutcome | None = None) -> StepObservation:
         if getattr(self, "failed", False):
             type(self).steps_after_failure += 1
-        return ReferenceAdapter.step(self)
+        return ReferenceAdapter.step(self, complete_transfers)
 
     return type(f"FailingReset_{recovered}", (ReferenceAdapter,),
                 {"reset_prefix_cache": reset_prefix_cache, "step": step, "steps_after_failure": 0})

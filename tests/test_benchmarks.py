@@ -39,10 +39,10 @@ COUNTS = {"requests", "fraction"}
 
 @pytest.fixture
 def tiny_bench(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Shrink every benchmark, and add a mutant that fails at its third step so a counterexample comes fast."""
-    monkeypatch.setitem(PROFILES, "bench-test", Profile(max_examples=3, stateful_step_count=8, shrink_attempts=50,
+    """Shrink every benchmark, and add a mutant that fails at its first step, which 10 examples draw at any seed."""
+    monkeypatch.setitem(PROFILES, "bench-test", Profile(max_examples=10, stateful_step_count=8, shrink_attempts=50,
                                                         derandomize=True))
-    monkeypatch.setitem(MUTANTS, "step-raises", Mutant(faulty("step", raising), "test", ("CONF-CALL-1",)))
+    monkeypatch.setitem(MUTANTS, "step-raises", Mutant(faulty("step", raising, after=0), "test", ("CONF-CALL-1",)))
     monkeypatch.setattr(suite, "Settings", functools.partial(suite.Settings, **TINY))
 
 

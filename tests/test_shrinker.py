@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance import runner
@@ -91,17 +89,15 @@ def test_safety_cap_cuts_shrinking_short_and_says_so() -> None:
 
 
 class FailsOnlyOnce(ReferenceAdapter):
-    """Answers one step wrongly in the first engine it builds, never again: a failure that does not replay."""
+    """Answers the first step that schedules tokens wrongly, in whichever engine it builds, and never again: a
+    failure that does not replay."""
 
-    engines_built = itertools.count()
+    failed = False
 
-    def start(self, config: EngineConfig) -> None:
-        super().start(config)
-        self.faulty = next(self.engines_built) == 1
-
-    def step(self):
-        observation = super().step()
-        if self.faulty and observation.scheduled_tokens:
+    def step(self, complete_transfers=None):
+        observation = super().step(complete_transfers)
+        if not FailsOnlyOnce.failed and observation.scheduled_tokens:
+            FailsOnlyOnce.failed = True
             return observation.model_copy(update={"scheduled_tokens": {**observation.scheduled_tokens, "ghost": 1}})
         return observation
 

@@ -412,7 +412,9 @@ class NullBlockHandedOutPool(BlockPool):
 
 
 class NullBlockHandedOutKVCacheManager(KVCacheManager):
-    """The GPU block pool hands out the null block (PFX-NULL-1): a request's KV lands where padding goes."""
+    """The GPU block pool hands out the null block (PFX-NULL-1): a request's KV lands where padding goes. With the
+    null block counted free, an idle pool has one free block too many, and a prefix-cache reset is refused
+    (PFX-RESET-1), as vLLM's `BlockPool.reset_prefix_cache` refuses one unless exactly the null block is used."""
 
     def __init__(self, num_blocks, block_size):
         super().__init__(num_blocks, block_size)
@@ -710,7 +712,8 @@ MUTANTS = {
     "takes-up-loads-early": row(TakesUpLoadsEarlyEngine, "scheduler contract", "LIFE-LOAD-1"),
     "local-hit-covers-last-token": row(UncappedHitKVCacheManager, "kv_cache_manager.py contract", "PFX-HIT-3"),
     "hits-held-blocks-only": row(HitsHeldBlocksOnlyKVCacheManager, "block_pool.py contract", "PFX-HIT-1"),
-    "null-block-handed-out": row(NullBlockHandedOutKVCacheManager, "block_pool.py contract", "PFX-NULL-1"),
+    "null-block-handed-out": row(NullBlockHandedOutKVCacheManager, "block_pool.py contract", "PFX-NULL-1",
+                                 "PFX-RESET-1"),
     "answers-during-transfers": row(AnswersDuringTransfersConnector, "offloading scheduler contract", "CONN-MATCH-4"),
     "hit-while-loading": row(HitWhileLoadingConnector, "offloading scheduler contract", "OFF-LOOKUP-4"),
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
