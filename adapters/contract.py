@@ -50,6 +50,12 @@ class KVConnectorAdapter(abc.ABC):
     def capabilities(self) -> Capabilities:
         """Return what the implementation supports."""
 
+    def behaviours(self) -> tuple[str, ...]:
+        """Return the behaviours, among those its releases differ in, that the implementation was found to have, each
+        `name: where the code shows it`; read from the code it drives or a probe, never from a version string. The
+        report and the run's banner name them (CONF-CAP-1); the default finds none."""
+        return ()
+
     @abc.abstractmethod
     def start(self, config: EngineConfig) -> None:
         """Build a fresh engine with this configuration."""

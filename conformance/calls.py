@@ -28,6 +28,7 @@ DEFAULT_CALL_TIMEOUT = 30.0
 RETURNS: dict[str, type] = {
     "capabilities": Capabilities,
     "implementation_version": str,
+    "behaviours": tuple,
     "step": StepObservation,
     "store_contents": StoreSnapshot,
     "resource_usage": ResourceUsage,

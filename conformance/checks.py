@@ -30,7 +30,7 @@ from kvconform.common.values import (
 )
 from kvconform.reference.engine import FollowedSchedule, StepFacts
 from kvconform.reference.kv_cache import NULL_BLOCK_ID
-from kvconform.reference.request import Request
+from kvconform.reference.request import Request, RequestStatus
 
 Kind = Literal["step", "store", "data", "reset", "drain", "connector", "connector-data", "connector-drain",
                "stored-data"]
@@ -579,7 +579,21 @@ def check_store_offers(ctx: Context, ref: StepObservation, sut: StepObservation)
     """Every newly full, computed offloaded block is offered to the store in the step the reference does."""
     if ref.store_offers:
         ctx.exercise("OFF-STORE-1")
-    _differ("OFF-STORE-1", "blocks offered to the store", _by_request(ref.store_offers), _by_request(sut.store_offers))
+    ref_offers, sut_offers = _by_request(ref.store_offers), _by_request(sut.store_offers)
+    if ref_offers != sut_offers:
+        differing = {r for r in {*ref_offers, *sut_offers} if ref_offers.get(r) != sut_offers.get(r)}
+        at_finish = sorted(r for r in differing if _finished_unscheduled(ctx, sut, r))
+        raise ClauseViolation("OFF-STORE-1", f"blocks offered to the store: reference {ref_offers!r}, adapter "
+                                             f"{sut_offers!r}" + "".join(f" (offered at finish: {r})"
+                                                                         for r in at_finish))
+
+
+def _finished_unscheduled(ctx: Context, sut: StepObservation, request_id: str) -> bool:
+    """Return whether `request_id` has finished and is not scheduled in the step: its offers are those made at its
+    finish (OFF-STORE-6), so a known failure can tell that cause from another of OFF-STORE-1 by the message."""
+    request = ctx.reference_requests.get(request_id)
+    return (request_id not in sut.scheduled_tokens and request is not None
+            and request.status in (RequestStatus.FINISHED, RequestStatus.ABORTED))
 
 
 @check("OFF-LRU-1", "OFF-ARC-1")

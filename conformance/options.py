@@ -52,6 +52,8 @@ class RunOptions:
     """The files they come from: the implementation's own shipped file, then the user's."""
     unverified: str | None = None
     """Why the implementation's release has no verdict table, when its adapter package ships them for others."""
+    behaviours: tuple[str, ...] = ()
+    """What the adapter found its implementation to do where releases differ (`KVConnectorAdapter.behaviours`)."""
     report_path: Path | None = None
     junit_path: Path | None = None
     certify: bool = False
@@ -71,8 +73,11 @@ class RunOptions:
         return baseline.Baseline(list(self.known_entries)).entries
 
     def banner(self) -> list[str]:
-        """Return the lines a run starts with about the known failures it uses (and a release without any)."""
-        lines = [f"known failures: {', '.join(self.known_failures_files) or 'none listed'}"]
+        """Return the lines a run starts with: the implementation, the behaviours detected in it and the known failures
+        it uses; a warning for a release without any."""
+        names = ", ".join(behaviour.partition(":")[0] for behaviour in self.behaviours) or "none"
+        lines = [f"{self.implementation_version}: behaviours detected: {names}; "
+                 f"known failures: {', '.join(self.known_failures_files) or 'none listed'}"]
         return lines + ([f"warning: {self.unverified}"] if self.unverified else [])
 
 
@@ -123,7 +128,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
         database_opened = examples.open_database(database)
     except examples.DatabaseError as error:
         raise UsageProblem(str(error)) from None
-    factory, capabilities, version = _probe(adapter_spec, call_timeout)
+    factory, capabilities, version, behaviours = _probe(adapter_spec, call_timeout)
     if scheduling == "async" and not capabilities.async_scheduling:
         raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
     shipped, ships_any = baseline.shipped(adapter_module(adapter_spec), version)
@@ -135,8 +140,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
                       f"{version.replace(' ', '-')}.txt): a failure may be the release's own, not the adapter's")
     return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout,
                       tuple(_known_failures(*files).listed), tuple(str(path) for path in files), unverified,
-                      report_path, junit_path, certify, database_opened,
-                      drain_seconds)
+                      behaviours, report_path, junit_path, certify, database_opened, drain_seconds)
 
 
 def _known_failures(*paths) -> baseline.Baseline:
@@ -151,15 +155,19 @@ def adapter_module(adapter_spec: str) -> str:
     return available().get(adapter_spec, adapter_spec).partition(":")[0]
 
 
-def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard: Shard = Shard()) -> report.RunReport:
-    """Run the state machine as `options` say, or one `shard` of it, and return its report (not yet written).
+def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard: Shard = Shard(),
+        on_shrink: Callable[[str], None] | None = None) -> report.RunReport:
+    """Run the state machine as `options` say, or one `shard` of it, and return its report (not yet written); a long
+    shrink says how far it got to `on_shrink`.
 
     A part of a split run finds no known failure stale: only the merge of all parts can (`report.merge`)."""
     result = runner.run(options.factory, options.adapter_spec, options.profile, options.seed, on_example=on_example,
                         call_timeout=options.call_timeout, scheduling=options.scheduling,
                         baseline=baseline.Baseline(list(options.known_entries), all_rare=shard.count > 1),
-                        database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout)
-    return report.build(result, options.implementation_version, options.capabilities, options.known_failures)
+                        database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout,
+                        on_shrink=on_shrink)
+    return report.build(result, options.implementation_version, options.capabilities, options.known_failures,
+                        behaviours=list(options.behaviours), known_failures_files=list(options.known_failures_files))
 
 
 def run_examples(options: RunOptions) -> ExampleDatabase | None:
@@ -209,13 +217,16 @@ def check_writable(path: Path) -> None:
         raise UsageProblem(f"cannot write the report to {path}: directory {path.parent} is not writable")
 
 
-def _probe(adapter_spec: str, call_timeout: float) -> tuple[Callable[[], KVConnectorAdapter], Capabilities, str]:
-    """Return the adapter's factory, capabilities and version, or raise UsageProblem when it cannot even be asked."""
+def _probe(adapter_spec: str, call_timeout: float
+           ) -> tuple[Callable[[], KVConnectorAdapter], Capabilities, str, tuple[str, ...]]:
+    """Return the adapter's factory, capabilities, version and behaviours, or raise UsageProblem when it cannot even be
+    asked."""
     caller = AdapterCaller(call_timeout)
     try:
         factory = resolve(adapter_spec)
         caller.build(factory)
         capabilities, version = caller("capabilities"), caller("implementation_version")
+        behaviours = tuple(caller("behaviours"))
         caller("close")
     except AdapterNotFound as error:
         raise UsageProblem(str(error)) from None
@@ -223,4 +234,4 @@ def _probe(adapter_spec: str, call_timeout: float) -> tuple[Callable[[], KVConne
         if isinstance(error.__cause__, AdapterNotFound):
             raise UsageProblem(str(error.__cause__)) from None
         raise UsageProblem(f"adapter {adapter_spec!r} cannot be used: {error.detail}") from None
-    return factory, capabilities, version
+    return factory, capabilities, version, behaviours

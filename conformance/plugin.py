@@ -42,8 +42,13 @@ OPTION_KNOWN_FAILURES = "--kv-known-failures"
 OPTION_CERTIFY = "--kv-certify"
 OPTION_SCENARIOS = "--kv-scenarios"
 OPTION_DATABASE = "--kv-database"
+OPTION_VLLM = "--kv-vllm"
 ENV_ADAPTER = "KVCONFORM_ADAPTER"
 SUITE = Path(__file__).with_name("suite.py")
+RELEASES_SUITE = Path(__file__).with_name("releases_suite.py")
+RELEASES = pytest.StashKey["list[str]"]()
+RELEASE_ROWS = pytest.StashKey["list"]()
+"""With --kv-vllm: the releases to run on, and each one's row once run (`kvconform.releases.ReleaseResult`)."""
 
 RUN_OPTIONS = pytest.StashKey["RunOptions"]()
 SCENARIOS = pytest.StashKey["list[Scenario]"]()
@@ -97,6 +102,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="A scenario JSON file, or a folder of them, to check besides the bundled ones (repeatable)")
     group.addoption(OPTION_DATABASE, dest="kv_database", default=None,
                     help="Example database: a directory (default .hypothesis/examples), a Redis URL, or none")
+    group.addoption(OPTION_VLLM, dest="kv_vllm", default=None,
+                    help="Run on each of these vLLM releases (A,B,C or A..B), each in its own environment, one test "
+                         "per release, as kvconform run --vllm; --kv-report gets one report with a release column")
     group.addoption(OPTION_CONNECTOR, dest="kv_connector", default=None,
                     help="For vllm-connector: the KV connector, a name vLLM knows or module:Class")
     group.addoption(OPTION_CONNECTOR_CONFIG, dest="kv_connector_config", default=None,
@@ -121,6 +129,9 @@ def pytest_configure(config: pytest.Config) -> None:
     spec = adapter_spec(config)
     if spec is None:
         return
+    if config.getoption("kv_vllm"):
+        configure_releases(config, spec)
+        return
     from kvconform.conformance import options
 
     options.select_connector(*(config.getoption(dest) for dest in
@@ -139,6 +150,35 @@ def pytest_configure(config: pytest.Config) -> None:
     if getattr(config, "workerinput", None) is None and config.getoption("dist", "no") == "load":
         config.option.dist = "loadgroup"  # each part of the run in a group of its own: one part per worker
     config.stash[SHARD_REPORTS] = {}
+
+
+def configure_releases(config: pytest.Config, spec: str) -> None:
+    """--kv-vllm: check the release list (a mistake is a one-line UsageError) and run the releases suite, one test per
+    release; the adapter is built in each release's environment, not here (kvconform.releases)."""
+    from kvconform import releases
+
+    try:
+        config.stash[RELEASES] = releases.parse_releases(
+            config.getoption("kv_vllm"), ready=lambda version: releases.is_ready(releases.environment(version)))
+    except releases.ReleaseProblem as problem:
+        raise pytest.UsageError(f"kvconform: {problem}") from None
+    config.stash[RELEASE_ROWS] = []
+    if not any(arg.startswith(str(RELEASES_SUITE)) for arg in config.args):
+        config.args.append(str(RELEASES_SUITE))
+
+
+def release_arguments(config: pytest.Config) -> list[str]:
+    """Return the `kvconform run` arguments the --kv-* options given stand for, for each release's run."""
+    names = {**{dest: f"--{dest.replace('_', '-').removeprefix('kv-')}" for dest in PREPARE_ARGUMENTS.values()},
+             "kv_adapter": "--adapter", "kv_connector": "--connector", "kv_connector_config": "--connector-config",
+             "kv_connector_manifest": "--connector-manifest"}
+    arguments = ["--adapter", str(adapter_spec(config))]
+    for dest, name in names.items():
+        value = config.getoption(dest)
+        if dest in ("kv_adapter", "kv_report", "kv_junit") or value in (None, False):
+            continue
+        arguments += [name] if value is True else [name, str(value)]
+    return arguments
 
 
 def shard_count(config: pytest.Config) -> int:
@@ -204,6 +244,18 @@ def keep_part_report(config: pytest.Config, shard, run_report: RunReport) -> boo
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """On the xdist controller: merge the parts' reports into the run's report, write it and certify it."""
     config = session.config
+    rows = config.stash.get(RELEASE_ROWS, None)
+    if rows:
+        from kvconform import releases
+        from kvconform.conformance import report
+
+        gathered = releases.gather(str(adapter_spec(config)), config.getoption("kv_profile") or DEFAULT_PROFILE, rows,
+                                   sum(row.seconds for row in rows))
+        for path, render in ((config.getoption("kv_report"), lambda: gathered.model_dump_json(indent=2)),
+                             (config.getoption("kv_junit"), lambda: releases.junit_xml(gathered))):
+            if path is not None:
+                report.write_atomically(path, render())
+        return
     parts = config.stash.get(SHARD_REPORTS, {})
     run = config.stash.get(RUN_OPTIONS, None)
     if not parts or run is None:

@@ -77,6 +77,11 @@ class RunReport(BaseModel):
     adapter: str = Field(description="the adapter as named on the command line: registered name or module:factory")
     implementation_version: str = Field(description="what the adapter's implementation_version() returned")
     capabilities: Capabilities = Field(description="what the adapter's capabilities() returned (CONF-CAP-1)")
+    behaviours: list[str] = Field([], description="what the adapter's behaviours() returned: the behaviours, among "
+                                                  "those the implementation's releases differ in, found in the code it "
+                                                  "drives, each 'name: where the code shows it'")
+    known_failures_files: list[str] = Field([], description="the known-failures files the run used, in order: the "
+                                                            "implementation's shipped file, then the user's")
     profile: str = Field(description="the Hypothesis profile: ci, dev or thorough")
     seed: int | None = Field(description="the --seed given, or None")
     scheduling: Scheduling = Field(description="the scheduling modes drawn from")
@@ -118,13 +123,15 @@ class RunReport(BaseModel):
 
 
 def build(result: RunResult, implementation_version: str, capabilities: Capabilities,
-          known_failures: dict[str, str] | None = None) -> RunReport:
+          known_failures: dict[str, str] | None = None, behaviours: list[str] | None = None,
+          known_failures_files: list[str] | None = None) -> RunReport:
     """Return the report of a run: a verdict for every clause of the spec."""
     clauses = _verdicts(result.coverage, result.failed_clause, result.known_failures)
     run_report = RunReport(
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
-        implementation_version=implementation_version, capabilities=capabilities, profile=result.profile,
-        seed=result.seed, scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],
+        implementation_version=implementation_version, capabilities=capabilities, behaviours=behaviours or [],
+        known_failures_files=known_failures_files or [], profile=result.profile, seed=result.seed,
+        scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],
         drain_timeout=None if capabilities.harness_completes_transfers else result.drain_timeout,
         findings=dict(result.findings),
         passed=result.passed, outcome=result.outcome,

@@ -80,12 +80,13 @@ def run(
     database: ExampleDatabase | None = None,
     shard: Shard = Shard(),
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    on_shrink: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample.
 
     Failing examples stored in `database` (one kind of run's, `examples.RunExamples`) are replayed first, and the
     run's own failure is stored there (CONF-RUN-5). A `shard` of a split run draws its share of the examples from
-    its own seed.
+    its own seed. A shrink that lasts says how far it got to `on_shrink`, every `shrinker.PROGRESS_SECONDS`.
     """
     baseline = Baseline() if baseline is None else baseline
     session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example, drain_timeout=drain_timeout)
@@ -104,7 +105,8 @@ def run(
             run_state_machine_as_test(machine, settings=settings)
     except ClauseViolation as violation:
         result.found_after = time.perf_counter() - started
-        _failed(result, _shrunk(session, Replay(violation.executed_program, violation), PROFILES[profile]))
+        _failed(result, _shrunk(session, Replay(violation.executed_program, violation), PROFILES[profile],
+                                on_shrink))
     except AdapterHung as hang:  # not shrunk: the unshrunk calls that led to the hang are the evidence
         result.passed = False
         result.failed_clause = hang.clause
@@ -114,7 +116,7 @@ def run(
         observed = _not_replayed(error, session)
         if observed is not None:
             result.found_after = time.perf_counter() - started
-            _failed(result, _shrunk(session, observed, PROFILES[profile]))
+            _failed(result, _shrunk(session, observed, PROFILES[profile], on_shrink))
         else:
             result.passed = False
             result.failed_clause = "CONF-RUN-1"
@@ -155,8 +157,11 @@ def _not_replayed(error: HypothesisException, session: Session) -> Replay | None
     return Replay(observed.program, observed)
 
 
-def _shrunk(session: Session, failing: Replay, profile: Profile) -> Replay:
-    """Return the failing program shrunk within the profile's budget (CONF-RUN-3)."""
+def _shrunk(session: Session, failing: Replay, profile: Profile,
+            on_progress: Callable[[str], None] | None = None) -> Replay:
+    """Return the failing program shrunk within the profile's budget (CONF-RUN-3), saying how far it got to
+    `on_progress` while it lasts."""
     if not failing.program:
         return failing
-    return Shrinker(session, session.adapter_capabilities, profile.shrink_attempts).shrink(failing)
+    return Shrinker(session, session.adapter_capabilities, profile.shrink_attempts,
+                    on_progress=on_progress).shrink(failing)

@@ -14,7 +14,7 @@ slow that the attempts would take hours; a shrink it cuts short says so in its m
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
@@ -27,6 +27,9 @@ when the connector's threads finish, so one passing replay does not show that a 
 
 SAFETY_CAP_SECONDS = 600.0
 """The last resort: a shrink stops after this long whatever attempts are left, and its message says it was cut short."""
+
+PROGRESS_SECONDS = 10.0
+"""A shrink that lasts longer says how far it got this often (to `on_progress`), so that a long one is not silent."""
 
 ROOMY_CONFIG = {"num_gpu_blocks": 64, "num_offload_blocks": 12, "max_num_batched_tokens": 256}
 """Engine settings under which nothing has to be preempted, evicted or chunked: the simplest there are."""
@@ -49,8 +52,9 @@ class Shrinker:
     """Shrinks programs of one session's adapter, keeping the failure they show."""
 
     def __init__(self, session: Session, capabilities: Capabilities, attempts: int,
-                 cap_seconds: float = SAFETY_CAP_SECONDS) -> None:
+                 cap_seconds: float = SAFETY_CAP_SECONDS, on_progress: Callable[[str], None] | None = None) -> None:
         self.session = session
+        self.on_progress = on_progress
         self.attempts = attempts
         self.cap_seconds = cap_seconds
         self.replays = 0
@@ -84,7 +88,8 @@ class Shrinker:
         safety cap cut short.
         """
         failure, best = Failure.of(failing.failure), failing
-        cap = time.perf_counter() + self.cap_seconds
+        started = time.perf_counter()
+        cap, next_report = started + self.cap_seconds, started + PROGRESS_SECONDS
         reproduced = sum(fails_as(self.replay(failing.program), failure) for _ in range(self.tries))
         if reproduced < self.tries:
             failing.failure.detail += (f" (observed; {reproduced} of {self.tries} replays of this program failed the "
@@ -105,8 +110,20 @@ class Shrinker:
                 replay = self.fails_alike(candidate, failure)
                 if replay is not None and size(replay.program) < size(best.program):
                     best, progress = replay, True
+                if time.perf_counter() >= next_report:
+                    next_report = time.perf_counter() + PROGRESS_SECONDS
+                    self.report(failure, best, started)
+                if progress:
                     break
         return best
+
+    def report(self, failure: Failure, best: Replay, started: float) -> None:
+        """Say how far the shrink has got: replays spent, and the size of the smallest failing program so far."""
+        if self.on_progress is not None:
+            requests, calls, _ = size(best.program)
+            self.on_progress(f"shrinking {failure.clause}: {self.replays} of {self.attempts} replays in "
+                             f"{time.perf_counter() - started:.0f}s; smallest failing program so far: {requests} "
+                             f"requests, {calls} calls")
 
     def candidates(self, program: list[Call]) -> Iterator[list[Call]]:
         """Yield edits of `program`, the ones that remove most first."""

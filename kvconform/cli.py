@@ -70,12 +70,24 @@ def _connector_options(command):
               help="Example database: a directory, a Redis URL (redis://host:port), or none")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the run across N pytest-xdist workers, one part each (needs pytest-xdist)")
+@click.option("--vllm", "vllm_releases", default=None, metavar="A,B,C|A..B",
+              help="Run on each of these vLLM releases, each in its own environment (KVCONFORM_VLLM_ENVS, else built "
+                   "once into KVCONFORM_CACHE); one report with a release column. A {release} in --known-failures "
+                   "is replaced by each release")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool,
                 scheduling: str, connector: str | None, connector_config: str | None, connector_manifest: str | None,
-                verbose: bool, database: str, workers: int) -> None:
+                verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
+    if vllm_releases is not None:
+        given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
+                 "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
+                 "--connector": connector, "--connector-config": connector_config,
+                 "--connector-manifest": connector_manifest, "--database": database, "--workers": workers}
+        arguments = [str(item) for name, value in given.items() if value is not None for item in (name, value)]
+        _run_releases(vllm_releases, arguments + ["--certify"] * certify, adapter_spec, profile, report_path,
+                      junit_path)
     options.select_connector(connector, connector_config, connector_manifest)
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
@@ -100,7 +112,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=console, transient=True) as progress:
                 task = progress.add_task("examples", total=PROFILES[profile].max_examples)
-                run_report = options.run(run, on_example=lambda: progress.advance(task))
+                run_report = options.run(run, on_example=lambda: progress.advance(task), on_shrink=lambda line:
+                                         progress.console.print(f"kvconform: {line}", highlight=False))
         except KeyboardInterrupt:
             click.echo("kvconform: interrupted; no report written", err=True)
             sys.exit(EXIT_INTERRUPTED)
@@ -113,6 +126,36 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     for gap in gaps:
         click.echo(f"kvconform: not certified: {gap}", err=True)
     sys.exit(EXIT_CONFORMANT if run_report.passed and not gaps else EXIT_NONCONFORMANT)
+
+
+def _run_releases(text: str, arguments: list[str], adapter_spec: str, profile: str, report_path: Path | None,
+                  junit_path: Path | None) -> None:
+    """Run `kvconform run ARGUMENTS` on each vLLM release `text` names, each in its own environment; print a line per
+    release, write one report with a release column (`releases.ReleasesReport`) and exit failed if any release
+    failed, 2 if one could not run as asked."""
+    from kvconform import releases
+
+    try:
+        versions = releases.parse_releases(text, ready=lambda version: releases.is_ready(releases.environment(version)))
+        for path in (report_path, junit_path):
+            if path is not None:
+                options.check_writable(path)
+    except (releases.ReleaseProblem, options.UsageProblem) as problem:
+        _usage_error(str(problem))
+    click.echo(f"kvconform: adapter {adapter_spec} on vLLM {', '.join(versions)}, profile {profile}", err=True)
+    try:
+        gathered = releases.run(versions, arguments, adapter_spec, profile,
+                                say=lambda line: click.echo(line, err=not line.startswith("vllm ")))
+    except KeyboardInterrupt:
+        click.echo("kvconform: interrupted; no report written", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    for path, render in ((report_path, lambda: gathered.model_dump_json(indent=2)),
+                         (junit_path, lambda: releases.junit_xml(gathered))):
+        if path is not None:
+            report.write_atomically(path, render())
+    passed = sum(row.passed for row in gathered.releases)
+    click.echo(f"kvconform: {passed} of {len(versions)} releases conformant in {gathered.seconds:.0f}s", err=True)
+    sys.exit(gathered.exit_status())
 
 
 def _run_in_workers(workers: int, **values):
@@ -413,6 +456,45 @@ def bench_command(only: str | None, json_path: Path, seeds: int, mutants: str | 
         _usage_error(f"cannot write the report to {json_path}: {error.strerror or error}")
     click.echo(f"kvconform: {len(bench_report.figures)} figures in {bench_report.seconds:.0f} s, "
                f"written to {json_path}", err=True)
+
+
+@main.command("matrix")
+@click.option("--row", "rows", multiple=True, type=click.Choice(sorted(("vllm-offloading", "vllm-simple-cpu",
+                                                                      "vllm-connector-OffloadingConnector"))),
+              help="Run only this row (repeatable; default: every row)")
+@click.option("--vllm", "vllm_releases", default=None, metavar="A,B,C|A..B",
+              help="Run only these releases (default: every release kvconform ships a verdict table for)")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The matrix to update (default: docs/release-matrix.json of this source tree)")
+def matrix_command(rows: tuple[str, ...], vllm_releases: str | None, output: Path | None) -> None:
+    """Run each vLLM adapter on each release (smoke profile, shipped known failures) and update the release matrix the
+    docs render (docs/adapters/vllm-releases.md): verdict, steps and known failures met per cell."""
+    from kvconform import releases
+
+    tree = releases.source_tree()
+    if output is None and tree is None:
+        _usage_error("no source tree to write docs/release-matrix.json into: pass --output PATH")
+    path = output or Path(str(tree)) / "docs" / "release-matrix.json"
+    try:
+        versions = (releases.verdict_releases() if vllm_releases is None else releases.parse_releases(
+            vllm_releases, ready=lambda version: releases.is_ready(releases.environment(version))))
+        options.check_writable(path)
+        matrix = (releases.ReleaseMatrix.model_validate_json(path.read_text()) if path.exists()
+                  else releases.ReleaseMatrix())
+    except (releases.ReleaseProblem, options.UsageProblem, ValueError) as problem:
+        _usage_error(str(problem).splitlines()[0])
+    failed = 0
+    for row in rows or tuple(releases.MATRIX_ROWS):
+        for version in versions:
+            cell = releases.matrix_cell(row, version, say=lambda line: click.echo(line, err=True))
+            matrix.put(cell)
+            report.write_atomically(path, matrix.model_dump_json(indent=1) + "\n")
+            failed += cell.outcome != "ok"
+            met = sum(entry.met for entry in cell.entries)
+            click.echo(f"{row} on vllm {version}: {cell.outcome} ({cell.failed_clause or 'no failure'}), "
+                       f"{cell.steps} steps, {cell.seconds:.0f}s, {met} known failures met")
+    click.echo(f"kvconform: {path} updated; run python docs/hooks/kvconform_site.py to render it", err=True)
+    sys.exit(EXIT_NONCONFORMANT if failed else EXIT_CONFORMANT)
 
 
 @main.command("adapters")

@@ -143,8 +143,8 @@ def test_a_release_without_a_shipped_file_is_a_warning_the_banner_names_the_file
     monkeypatch.syspath_prepend(str(tmp_path))
     user = tmp_path / "mine.txt"
     user.write_text("OFF-READ-1 [rare]: mine\n")
-    for version, line in (("1.0", f"kvconform: known failures: {package / 'known-failures' / 'engine-1.0.txt'}, "
-                                   f"{user}"),
+    for version, line in (("1.0", f"kvconform: engine 1.0: behaviours detected: none; known failures: "
+                                   f"{package / 'known-failures' / 'engine-1.0.txt'}, {user}"),
                           ("2.0", "kvconform: warning: engine 2.0 has no verdict table in kvconform")):
         monkeypatch.setenv("ENGINE_VERSION", version)
         result = CliRunner().invoke(main, ["run", "--adapter", "shipping_adapter:Adapter", "--profile", "smoke",

@@ -107,3 +107,18 @@ def test_nondeterministic_adapter_is_reported() -> None:
     result = runner.run(FailsOnlyOnce, "fails-only-once", "ci", seed=0)
     assert result.failed_clause == "SCHED-STEP-2", result.message
     assert "not deterministic" in result.message
+
+
+def test_a_long_shrink_says_how_far_it_got(monkeypatch) -> None:
+    """CONF-RUN-3: a shrink that lasts reports its replays and the smallest failing program so far, each time
+    PROGRESS_SECONDS pass; the last report's program is no bigger than the first's."""
+    from kvconform.conformance import shrinker as shrinking
+
+    monkeypatch.setattr(shrinking, "PROGRESS_SECONDS", 0.0)
+    lines: list[str] = []
+    shrinker = Shrinker(Session(MUTANTS["skip-flag-ignored"].adapter), Capabilities(), attempts=1000,
+                        on_progress=lines.append)
+    shrinker.shrink(shrinker.replay(seed_scenario(noise=2)))
+    assert lines and all(line.startswith("shrinking OFF-READ-1: ") for line in lines), lines
+    calls = [int(line.split("requests, ")[1].split(" calls")[0]) for line in lines]
+    assert calls == sorted(calls, reverse=True) and calls[-1] < len(seed_scenario(noise=2)), lines

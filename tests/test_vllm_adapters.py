@@ -251,6 +251,35 @@ def test_recorded_deviation_fails_on_its_release(connector_environment: None, na
     assert known.tolerates(violation), f"no listed cause of {parts['clause']} matches: {violation.detail}"
 
 
+OFFERED_AT_FINISH = [  # `kvconform run --adapter vllm-offloading --profile smoke` on 0.28.0, shrunk
+    {"op": "start", "args": {"block_size": 4, "num_gpu_blocks": 64, "block_size_factor": 1, "num_offload_blocks": 12,
+                             "max_num_batched_tokens": 256, "offer_at_finish": True, "flush_on_hit": True}},
+    {"op": "add_request", "args": {"request_id": "r0", "prompt": [2, 2, 2, 2], "max_tokens": 4}},
+    {"op": "drain"},
+]
+"""A request of 8 tokens finishes; its last token's KV is never computed, yet 0.28 offers block 1 (tokens 4-7)."""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(VERSION != "0.28.0",
+                    reason="needs vLLM 0.28.0 (its own environment): kvconform install-vllm 0.28.0")
+def test_an_uncomputed_block_offered_at_finish_is_known_by_its_cause_alone() -> None:
+    """OFF-STORE-1, CONF-RUN-2: 0.28's offer of a finished request's last block, whose last token's KV was never
+    computed (offloading/scheduler.py:1265-1266), fails without a file; the shipped 0.28 file covers it through the
+    entry whose cause is /offered at finish/ only, and an entry of the same clause for another cause does not."""
+    program = [Call.from_json(operation) for operation in OFFERED_AT_FINISH]
+    alone = replay(Session(adapter_class("offloading")), program).violation
+    assert alone is not None and alone.clause == "OFF-STORE-1", alone
+    assert alone.detail.endswith("adapter {'r0': [(1,)]} (offered at finish: r0)"), alone.detail
+    shipped = known_failures("vllm-offloading")
+    assert replay(Session(adapter_class("offloading"), baseline=shipped), program).violation is None
+    assert {name: count for name, count in shipped.met.items() if count} == {"OFF-STORE-1 /offered at finish/": 1}
+    other = baseline.Baseline([entry for entry in shipped.listed if entry.clause != "OFF-STORE-1"] + baseline.parse(
+        "OFF-STORE-1 /after a preemption/: another cause", "other.txt"))
+    again = replay(Session(adapter_class("offloading"), baseline=other), program).violation
+    assert again is not None and again.clause == "OFF-STORE-1" and not other.met, again
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_failed_load_is_reported_however_the_release_names_it() -> None:

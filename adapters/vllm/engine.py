@@ -178,12 +178,34 @@ SKIP_READ_REPLACEMENT = re.compile(r"get_num_new_matched_tokens\([^)]*\)\s*\)?\s
 
 
 @functools.cache
-def skip_read_condition(scheduler_class: type[Any]) -> Any:
-    """Return the compiled condition under which the release's scheduler replaces a connector's answer by (0, False),
-    read from the code it runs, or None where it takes every answer as given (0.23, 0.24): the behaviour, never the
-    version, decides how the answer the scheduler took is recorded (KVC-SKIP-1)."""
+def skip_read_source(scheduler_class: type[Any]) -> str | None:
+    """Return the condition under which the release's scheduler replaces a connector's answer by (0, False), as its
+    code says it, or None where it takes every answer as given (0.23, 0.24)."""
     match = SKIP_READ_REPLACEMENT.search(inspect.getsource(scheduler_class.schedule))
-    return None if match is None else compile(match["condition"], "<Scheduler.schedule>", "eval")
+    return None if match is None else match["condition"].strip()
+
+
+@functools.cache
+def skip_read_condition(scheduler_class: type[Any]) -> Any:
+    """Return `skip_read_source` compiled, or None: the behaviour, never the version, decides how the answer the
+    scheduler took is recorded (KVC-SKIP-1)."""
+    source = skip_read_source(scheduler_class)  # type: ignore[arg-type]  # vLLM's class is untyped: not Hashable
+    return None if source is None else compile(source, "<Scheduler.schedule>", "eval")
+
+
+def detected_behaviours(rt: runtime.Runtime) -> tuple[str, ...]:
+    """Return the behaviours of the release's scheduler that change what the judge sees, read from its code: whether it
+    replaces a skip-read request's answer itself (KVC-SKIP-1: the connector's own answer is then a finding, not a
+    failure) and whether it queues requests holding GPU blocks for their loads apart, ahead of the others
+    (SCHED-ORDER-1: without that queue the release's file lists the deadlock)."""
+    scheduler = rt.sched.Scheduler
+    found = []
+    condition = skip_read_source(scheduler)
+    if condition is not None:
+        found.append(f"skip-read-answer-replaced: Scheduler.schedule answers (0, False) itself if {condition}")
+    if "kv_holding_waiting" in inspect.getsource(scheduler):
+        found.append("block-holders-queued-first: Scheduler.kv_holding_waiting is served before the waiting queues")
+    return tuple(found)
 
 
 def runner_glue(rt: runtime.Runtime, vllm_config: Any, worker: Any, kv_caches: dict[str, torch.Tensor]) -> MixinGlue:
@@ -288,6 +310,14 @@ class VllmAdapter(KVConnectorAdapter):
 
     def implementation_version(self) -> str:
         return f"vllm {self.rt.version}"
+
+    def behaviours(self) -> tuple[str, ...]:
+        """Return the scheduler's behaviours (`detected_behaviours`), then the connector's (`connector_behaviours`)."""
+        return detected_behaviours(self.rt) + self.connector_behaviours()
+
+    def connector_behaviours(self) -> tuple[str, ...]:
+        """Return the behaviours of the connector the adapter drives, read from its code; by default none."""
+        return ()
 
     def base_capabilities(self) -> dict[str, Any]:
         """Return the capabilities every vLLM adapter shares; no external preempt exists in vLLM. How each release's

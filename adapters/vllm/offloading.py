@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -43,6 +44,24 @@ class VllmOffloadingAdapter(VllmAdapter):
                             local_hit_after_failed_load=(not self.reports_failed_loads_by_request(),),
                             restart_offers_on_lookup=(self.restarts_offers_on_lookup(),),
                             reads_stored_kv=True, **self.base_capabilities())
+
+    def connector_behaviours(self) -> tuple[str, ...]:
+        """Return the OffloadingConnector's behaviours among the variants its releases differ in (`capabilities`), and
+        its ARC policy's fallback to T1 (`arc_falls_back_to_t1`), each where its code shows it."""
+        found = {
+            "offers-at-finish: OffloadingConnectorScheduler._build_store_jobs walks finished_req_ids (OFF-STORE-6)":
+                self.offers_at_finish(),
+            "flushes-on-hit: _update_req_states flushes the stores of hit blocks (LIFE-FREE-2)": self.flushes_on_hit(),
+            "no-lookup-after-failed-load: RequestOffloadState.load_failed (LIFE-LOAD-4)":
+                self.skips_lookup_after_failed_load(),
+            "failed-loads-by-request: OffloadingConnectorWorker.take_failed_recving (LIFE-LOAD-3)":
+                self.reports_failed_loads_by_request(),
+            "restarts-offers-on-lookup: get_num_new_matched_tokens resets next_stored_chunk_idx (OFF-STORE-7)":
+                self.restarts_offers_on_lookup(),
+            "arc-t1-fallback: ARCCachePolicy.evict takes a T1 victim when T2 has none (OFF-ARC-1)":
+                arc_falls_back_to_t1(),
+        }
+        return tuple(name for name, present in found.items() if present)
 
     def offers_at_finish(self) -> bool:
         """Return whether the connector offers a finished request's remaining blocks at the next step (OFF-STORE-6):
@@ -329,6 +348,18 @@ class OffloadingSeam(TransferSeam):
 
 
 _SESSION_IDS = itertools.count()
+
+
+def arc_falls_back_to_t1() -> bool:
+    """Return whether the release's ARC policy, asked for a victim while T1 is below its target and T2 holds none,
+    takes one from T1 (0.30+: `v1/kv_offload/cpu/policies/arc.py:151-156`) rather than refusing the store (0.24:
+    `return None`, :149-150): a probe on a policy holding one evictable T1 chunk."""
+    from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+
+    policy = ARCCachePolicy(cache_capacity=2)
+    policy.t1[b"kvconform-probe"] = types.SimpleNamespace(ref_cnt=0)
+    policy.target_t1_size = 2.0
+    return policy.evict(1, set()) is not None
 
 
 def reports_failures() -> bool:

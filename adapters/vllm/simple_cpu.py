@@ -149,6 +149,14 @@ class VllmSimpleCPUAdapter(VllmAdapter):
                             offer_at_finish=(hasattr(SimpleCPUOffloadScheduler, "_queue_finished_eager_store"),),
                             flush_all_on_preemption=(True,), **shared)
 
+    def connector_behaviours(self) -> tuple[str, ...]:
+        """Return whether the connector offers a finished request's last blocks at the next step (OFF-STORE-6), as its
+        code shows it (SimpleCPUOffloadScheduler._queue_finished_eager_store)."""
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+        return (("offers-at-finish: SimpleCPUOffloadScheduler._queue_finished_eager_store (OFF-STORE-6)",)
+                if hasattr(SimpleCPUOffloadScheduler, "_queue_finished_eager_store") else ())
+
     def attach(self) -> None:
         self.manager = self.scheduler.connector.scheduler_manager
         self.cpu_pool = self.manager.cpu_block_pool

@@ -517,6 +517,38 @@ def directive_capabilities(args: list[str], page: str) -> str:
     return f"Implementation version `{version}`. Capabilities:\n\n" + "\n".join(rows) + "\n"
 
 
+def directive_release_matrix(args: list[str], page: str) -> str:
+    """Return the release matrix (docs/release-matrix.json, written by `kvconform matrix`): a verdict per adapter and
+    release, then every known-failure entry a cell met, with its class."""
+    from kvconform.releases import ReleaseMatrix
+
+    matrix = ReleaseMatrix.model_validate_json((DOCS / "release-matrix.json").read_text(encoding="utf-8"))
+    releases = sorted({cell.release for cell in matrix.cells}, key=lambda v: tuple(map(int, v.split("."))))
+    rows = list(dict.fromkeys(cell.row for cell in matrix.cells))
+    cells = {(cell.row, cell.release): cell for cell in matrix.cells}
+
+    def verdict(cell) -> str:
+        if cell is None:
+            return "not run"
+        met = sum(entry.met for entry in cell.entries)
+        said = {"ok": "conformant", "fail": f"**fails {cell.failed_clause}**", "info": "**unknown (a hang)**",
+                "error": "could not run"}[cell.outcome]
+        return f"{said}, {cell.steps} steps" + (f", {met} known failures met" if met else "")
+
+    lines = [f"Profile `{matrix.profile}`, each release's and each adapter's shipped known failures.", "",
+             "| adapter | " + " | ".join(f"vLLM {v}" for v in releases) + " |",
+             "| --- | " + " | ".join("---" for _ in releases) + " |"]
+    lines += [f"| `{row}` | " + " | ".join(verdict(cells.get((row, v))) for v in releases) + " |" for row in rows]
+    lines += ["", "| adapter | release | behaviours detected | known failure met | times | class | file |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for cell in matrix.cells:
+        for entry in (e for e in cell.entries if e.met):
+            name = entry.name.replace("|", "&#124;")
+            lines.append(f"| `{cell.row}` | {cell.release} | {', '.join(cell.behaviours) or 'none'} | "
+                         f"`{name}` | {entry.met} | {entry.entry_class} | `{entry.file}` |")
+    return "\n".join(lines) + "\n"
+
+
 def directive_cli_help(args: list[str], page: str) -> str:
     command = cli_main.commands[args[0]]
     with click.Context(command, info_name=f"kvconform {args[0]}", max_content_width=72) as context:
@@ -570,6 +602,7 @@ DIRECTIVES: dict[str, Callable[[list[str], str], str]] = {
     "model": directive_model,
     "source": directive_source,
     "capabilities": directive_capabilities,
+    "release-matrix": directive_release_matrix,
     "cli-help": directive_cli_help,
     "plugin-options": directive_plugin_options,
     "mutant-catalogue": directive_mutant_catalogue,
