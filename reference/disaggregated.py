@@ -202,7 +202,7 @@ class ConsumerConnector:
                 columns = heads(rank, self.world_size, self.gpu.shape[2])
                 rows = None if producer is None or fail else producer.read(
                     load.params["remote_request_id"], load.remote_block_ids, columns)
-                if rows is None:
+                if producer is None or rows is None:
                     output.failed_recving.add(request_id)
                 else:
                     self.gpu[load.local_block_ids, :, columns] = rows
