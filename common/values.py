@@ -182,10 +182,11 @@ class ResourceUsage(_Frozen):
     unfinished_requests: int = Field(ge=0)
 
 
-SpecLevel = Literal["connector", "offloading"]
-"""The two levels of the spec: what every KVConnectorBase_V1 must do (`connector`), and the deeper rules of
+SpecLevel = Literal["connector", "offloading", "disaggregated"]
+"""The levels of the spec: what every KVConnectorBase_V1 must do (`connector`), and the deeper rules of
 OffloadingManager-style connectors (`offloading`); an adapter that reports the offloading level's observations
-is judged at both."""
+is judged at both. `disaggregated` (chapter 09, P/D connectors) is tested on the reference pair alone so far: no judge
+of two engines exists yet, and no adapter reports it."""
 
 VARIANTS = ("offer_at_finish", "flush_on_hit", "flush_all_on_preemption", "lookup_after_failed_load",
             "local_hit_after_failed_load", "restart_offers_on_lookup")

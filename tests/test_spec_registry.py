@@ -13,7 +13,7 @@ from kvconform.conformance.checks import CHECKS, run_time_clauses
 from kvconform.spec.registry import SpecFormatError, chapters, clauses, parse_chapter, spec_version
 
 ROOT = Path(__file__).resolve().parent.parent
-CLAUSE_ID = re.compile(r"\b[A-Z]{3,5}(?:-[A-Z]+)*-\d+\b")
+CLAUSE_ID = re.compile(r"\b[A-Z]{2,5}(?:-[A-Z]+)*-\d+\b")
 SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
 RELEASE_OR_ISSUE = re.compile(r"\b\d+\.\d+\.\d+\b|\b0\.\d\d\b|#\d{3,}")
 NORMATIVE = re.compile(r"\*\*(MUST|MUST NOT|SHOULD|SHOULD NOT|MAY)\*\*")

@@ -351,7 +351,8 @@ def coverage_table() -> str:
     judged = run_time_clauses()
     must = [c for c in CLAUSES.values() if c.requirement.startswith("MUST")]
     groups = {"connector level (chapter 08)": ["connector"], "offloading level (chapters 01 – 06)": ["offloading"],
-              "rules of judging (chapter 07)": [None], "a run judging both levels": ["connector", "offloading", None]}
+              "rules of judging (chapter 07)": [None], "a run judging both levels": ["connector", "offloading", None],
+              "disaggregated level (chapter 09)": ["disaggregated"]}
     rows = ["| MUST and MUST NOT clauses of | judged at run time | model-only |", "| --- | --- | --- |"]
     for name, levels in groups.items():
         counted = [c for c in must if c.spec_level in levels]

@@ -1,0 +1,220 @@
+"""An exact, in-process reference pair of P/D connectors: a producer (prefill) and a consumer (decode) engine's
+connectors, no network (the planned chapter `disaggregated`, issue 23).
+
+The pair follows vLLM's public P/D contract as NixlConnector 0.34 implements it, on `kv_transfer_params`:
+a producer request carries `do_remote_decode`; when it finishes the producer delays the free of its blocks and
+returns the params a consumer needs (`do_remote_prefill`, `remote_engine_id`, `remote_request_id`,
+`remote_block_ids`, `tp_size`). The consumer answers the whole prompt as one asynchronous load, reads the
+producer's blocks and notifies it; the producer frees its blocks on the notification or when the lease ends.
+
+Each engine has `world_size` ranks (tensor parallelism): rank r holds and moves only its share of the KV
+heads, the columns `heads(r)` of a token's KV row, and reports its own finished ids; the engine sees a request
+finished only once every rank reported it, as vLLM's `KVOutputAggregator` counts (`Aggregator`). Time is the
+producer's steps, so the pair is deterministic: transfers complete when the harness completes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvconform.reference.errors import InvalidCall
+
+LEASE_STEPS = 8
+"""Producer steps a delayed free waits for the consumer's notification before the lease ends it."""
+
+REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids")
+"""What a consumer's params must carry, besides `do_remote_prefill`, to load (PD-PARAMS-2)."""
+
+
+@dataclass
+class RankOutput:
+    """One rank's report of a step, as a worker's `KVConnectorOutput` carries it."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Aggregator:
+    """Counts each id down per rank and emits it once every rank reported it (vLLM's `KVOutputAggregator`)."""
+
+    world_size: int
+    remaining: dict[tuple[str, str], int] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+    def aggregate(self, outputs: Sequence[RankOutput]) -> RankOutput:
+        """Return the ids every rank has now reported; a failed receive is carried until its receive completes."""
+        if len(outputs) != self.world_size:
+            raise InvalidCall("PD-TP-1", f"{len(outputs)} rank outputs for a world of {self.world_size}")
+        done = RankOutput()
+        for output in outputs:
+            self.failed |= output.failed_recving
+            for kind, ids in (("sending", output.finished_sending), ("recving", output.finished_recving)):
+                for request_id in sorted(ids):
+                    left = self.remaining.get((kind, request_id), self.world_size) - 1
+                    self.remaining[(kind, request_id)] = left
+                    if left == 0:
+                        del self.remaining[(kind, request_id)]
+                        (done.finished_sending if kind == "sending" else done.finished_recving).add(request_id)
+        done.failed_recving = done.finished_recving & self.failed
+        self.failed -= done.finished_recving
+        return done
+
+
+def heads(rank: int, world_size: int, token_width: int) -> slice:
+    """Return the columns of a token's KV row that rank `rank` holds: its share of the heads (PD-TP-1)."""
+    if token_width % world_size:
+        raise InvalidCall("PD-TP-1", f"token width {token_width} does not split over {world_size} ranks")
+    share = token_width // world_size
+    return slice(rank * share, (rank + 1) * share)
+
+
+@dataclass
+class Transport:
+    """The in-process medium between engines: producers by engine id, and each producer's pending notifications."""
+
+    producers: dict[str, ProducerConnector] = field(default_factory=dict)
+    notifications: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    """Producer engine id -> (producer request id, consumer rank) read notifications not yet taken."""
+
+    def register(self, producer: ProducerConnector) -> None:
+        if producer.engine_id in self.producers:
+            raise InvalidCall("PD-PARAMS-1", f"engine id {producer.engine_id!r} is already registered")
+        self.producers[producer.engine_id] = producer
+        self.notifications[producer.engine_id] = []
+
+
+@dataclass
+class Held:
+    """A finished producer request whose blocks wait for the consumer's read (PD-HOLD-1)."""
+
+    block_ids: list[int]
+    expires: int
+    notified: set[int] = field(default_factory=set)
+    """Consumer ranks that notified their read."""
+
+
+class ProducerConnector:
+    """The prefill engine's connector: holds a finished request's blocks until every rank's read or the lease."""
+
+    def __init__(self, engine_id: str, gpu: torch.Tensor, world_size: int, transport: Transport,
+                 lease_steps: int = LEASE_STEPS) -> None:
+        self.engine_id, self.gpu, self.world_size = engine_id, gpu, world_size
+        self.transport, self.lease_steps = transport, lease_steps
+        self.clock = 0
+        self.held: dict[str, Held] = {}
+        self.aggregator = Aggregator(world_size)
+        transport.register(self)
+
+    def request_finished(self, request_id: str, block_ids: list[int], params: dict[str, Any] | None,
+                         finished_normally: bool) -> tuple[bool, dict[str, Any] | None]:
+        """Return (delay_free, params for the consumer): only a request to be decoded remotely that finished normally
+        holds its blocks; an aborted one frees them at once (PD-PARAMS-1, PD-ABORT-1)."""
+        if not params or not params.get("do_remote_decode") or not finished_normally or not block_ids:
+            return False, None
+        self.held[request_id] = Held(list(block_ids), self.clock + self.lease_steps)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                      "remote_request_id": request_id, "remote_block_ids": list(block_ids),
+                      "tp_size": self.world_size}
+
+    def step(self) -> RankOutput:
+        """Advance the lease clock; each rank reports the requests its consumer rank read, or whose lease ended;
+        return what every rank has reported (PD-HOLD-1, PD-LEASE-1, PD-TP-1)."""
+        self.clock += 1
+        for request_id, rank in self.transport.notifications[self.engine_id]:
+            if request_id in self.held:  # a notification for a request no longer held is ignored (PD-NOTIFY-1)
+                self.held[request_id].notified.add(rank % self.world_size)
+        self.transport.notifications[self.engine_id] = []
+        outputs = [RankOutput() for _ in range(self.world_size)]
+        for request_id, held in list(self.held.items()):
+            expired = self.clock >= held.expires
+            for rank, output in enumerate(outputs):
+                if expired or rank in held.notified:
+                    output.finished_sending.add(request_id)
+            if expired or len(held.notified) == self.world_size:
+                del self.held[request_id]
+        return self.aggregator.aggregate(outputs)
+
+    def read(self, request_id: str, block_ids: Sequence[int], columns: slice) -> torch.Tensor | None:
+        """Return the rows of held blocks `block_ids`, only `columns`; None if the request is not held or the blocks
+        are not its own (a lease that ended, wrong remote block ids: PD-FAIL-1)."""
+        held = self.held.get(request_id)
+        if held is None or any(block not in held.block_ids for block in block_ids):
+            return None
+        return self.gpu[list(block_ids), :, columns].clone()
+
+
+@dataclass
+class Load:
+    """A consumer request's pending read of the producer's blocks into its own."""
+
+    params: dict[str, Any]
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+
+
+class ConsumerConnector:
+    """The decode engine's connector: answers a remote prefill as one asynchronous load; each rank reads its heads."""
+
+    def __init__(self, gpu: torch.Tensor, world_size: int, transport: Transport) -> None:
+        self.gpu, self.world_size, self.transport = gpu, world_size, transport
+        self.pending: dict[str, Load] = {}
+        self.in_flight: dict[str, Load] = {}
+        self.completed: list[RankOutput] = [RankOutput() for _ in range(world_size)]
+        self.aggregator = Aggregator(world_size)
+
+    @staticmethod
+    def valid(params: dict[str, Any] | None) -> bool:
+        """Return True if params ask a remote prefill and carry what the load needs (PD-PARAMS-2)."""
+        return bool(params and params.get("do_remote_prefill") and all(name in params for name in REMOTE_FIELDS)
+                    and isinstance(params["remote_block_ids"], list))
+
+    def get_num_new_matched_tokens(self, num_prompt_tokens: int, num_local: int, params: dict[str, Any] | None
+                                   ) -> tuple[int, bool]:
+        """Answer the prompt beyond the local hit as one asynchronous load; malformed or missing params get no load
+        and the request computes locally (PD-LOAD-1, PD-PARAMS-2)."""
+        count = num_prompt_tokens - num_local
+        return (count, True) if self.valid(params) and count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_local_blocks: int,
+                                 params: dict[str, Any]) -> None:
+        """Plan the read of the remote blocks past the local hit into the request's blocks (PD-LOAD-1)."""
+        remote = list(params["remote_block_ids"])[num_local_blocks:]
+        local = block_ids[num_local_blocks: num_local_blocks + len(remote)]
+        self.pending[request_id] = Load(params, local, remote)
+
+    def start_load_kv(self) -> None:
+        """Start the reads planned since the last step: they complete when `complete_transfers` is called."""
+        self.in_flight.update(self.pending)
+        self.pending = {}
+
+    def complete_transfers(self, fail: bool) -> None:
+        """Complete every read in flight: each rank copies its own heads and notifies the producer; a read of an
+        unknown engine, of blocks not held, or one failed on purpose is reported failed (PD-FAIL-1, PD-TP-1)."""
+        for request_id, load in sorted(self.in_flight.items()):
+            producer = self.transport.producers.get(load.params["remote_engine_id"])
+            for rank, output in enumerate(self.completed):
+                columns = heads(rank, self.world_size, self.gpu.shape[2])
+                rows = None if producer is None or fail else producer.read(
+                    load.params["remote_request_id"], load.remote_block_ids, columns)
+                if producer is None or rows is None:
+                    output.failed_recving.add(request_id)
+                else:
+                    self.gpu[load.local_block_ids, :, columns] = rows
+                    self.transport.notifications[producer.engine_id].append((load.params["remote_request_id"], rank))
+                output.finished_recving.add(request_id)
+        self.in_flight = {}
+
+    def get_finished(self) -> RankOutput:
+        """Return the receives every rank has reported since the last call (PD-ONCE-1, PD-TP-1)."""
+        outputs, self.completed = self.completed, [RankOutput() for _ in range(self.world_size)]
+        return self.aggregator.aggregate(outputs)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a planned read that has not started; one in flight still completes and is reported (PD-ABORT-1)."""
+        self.pending.pop(request_id, None)
