@@ -28,10 +28,13 @@ from kvconform.common.values import (
 from kvconform.conformance import options, runner
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.connector_level import (
+    MASKED_FAULTS,
     ConnectorJudge,
+    check_answer_range,
     check_async_loads,
     check_load_failures,
     check_resident_bytes,
+    check_skip_read_black_box,
 )
 from kvconform.conformance.execution import Execution, Session, replay
 from kvconform.conformance.mutants import black_box
@@ -322,3 +325,28 @@ def test_wrong_bytes_name_the_load_its_steps_and_the_preemption_before_it() -> N
         check_resident_bytes(judge, "r", torch.zeros(8, EngineConfig().token_width, dtype=torch.float16))
     assert ("step 4; tokens 0-8 loaded asynchronously, admitted in step 3, reported finished in step 4; "
             "preempted in step 2") in raised.value.detail
+
+
+@pytest.mark.parametrize("skip_read, external, kind", [(True, 4, "skip-read answered"), (False, -4, "negative count")])
+def test_a_masked_finding_names_where_it_fails_from_the_known_releases(skip_read: bool, external: int,
+                                                                       kind: str) -> None:
+    """Issue 22 item 5: a masked answer's finding names its kind and the releases and load modes where it fails, as
+    `MASKED_FAULTS` records them, not one literal for every fault."""
+    judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT, skip_reading_prefix_cache=skip_read))
+    answer = MatchAnswer(request_id="r", local_hit_tokens=0, external_tokens=external, load_async=False)
+    observation = StepObservation(scheduled_tokens={}, computed_tokens={}, masked_answers=(answer,),
+                                  match_answers=(answer.model_copy(update={"external_tokens": 0}),))
+    check_answer_range(judge, observation)
+    check_skip_read_black_box(judge, observation)
+    finding = judge.execution.session.findings["KVC-SKIP-1" if skip_read else "KVC-MATCH-1"]
+    assert f"as a {kind} it fails on {MASKED_FAULTS[kind][1]}" in finding, finding
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_synchronous_hit_of_every_token_is_kvc_match_1_before_the_assertion(own_clock: Callable[[str], type]) -> None:
+    """Issue 22: a synchronous load of a whole prompt leaves no token to compute; the connector's fault is named by its
+    clause, not vLLM's bare `assert num_new_tokens > 0` under CONF-CALL-1."""
+    violation = replay(Session(own_clock("LoadsAllSynchronously")), reload_after_reset()).violation
+    assert violation is not None and violation.clause == "KVC-MATCH-1", violation
+    assert "a synchronous load of all of them" in violation.detail, violation.detail
