@@ -327,13 +327,16 @@ def test_wrong_bytes_name_the_load_its_steps_and_the_preemption_before_it() -> N
             "preempted in step 2") in raised.value.detail
 
 
-@pytest.mark.parametrize("skip_read, external, kind", [(True, 4, "skip-read answered"), (False, -4, "negative count")])
+@pytest.mark.parametrize("skip_read, external, num_tokens, kind", [
+    (True, 4, None, "skip-read answered"), (False, -4, None, "negative count"),
+    (False, 16, 16, "synchronous hit of every token")])
 def test_a_masked_finding_names_where_it_fails_from_the_known_releases(skip_read: bool, external: int,
-                                                                       kind: str) -> None:
+                                                                       num_tokens: int | None, kind: str) -> None:
     """Issue 22 item 5: a masked answer's finding names its kind and the releases and load modes where it fails, as
     `MASKED_FAULTS` records them, not one literal for every fault."""
     judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT, skip_reading_prefix_cache=skip_read))
-    answer = MatchAnswer(request_id="r", local_hit_tokens=0, external_tokens=external, load_async=False)
+    answer = MatchAnswer(request_id="r", local_hit_tokens=0, external_tokens=external, load_async=False,
+                         num_tokens=num_tokens)
     observation = StepObservation(scheduled_tokens={}, computed_tokens={}, masked_answers=(answer,),
                                   match_answers=(answer.model_copy(update={"external_tokens": 0}),))
     check_answer_range(judge, observation)
