@@ -336,6 +336,10 @@ def check_async_loads(judge: ConnectorJudge, observation: StepObservation) -> No
 def check_load_failures(judge: ConnectorJudge, observation: StepObservation) -> None:
     """A failed load is reported only for a request with a load; the tokens it failed to bring are then recomputed."""
     offered = judge.offered_loads(observation)
+    if observation.loads_failed and "fails_load" in judge.execution.capabilities.never:
+        raise ClauseViolation("KVC-FAIL-1", f"the connector reported failed loads of {list(observation.loads_failed)}, "
+                                            "though its manifest declares that it never fails a load (never: "
+                                            "fails_load)")
     for request_id in observation.loads_failed:
         judge.exercise("KVC-FAIL-1")
         if request_id not in offered:
@@ -355,6 +359,10 @@ def check_delayed_frees(judge: ConnectorJudge, observation: StepObservation) -> 
     released, freed = set(observation.saves_finished), set(observation.freed)
     if observation.free_delayed or released:
         judge.exercise("KVC-FREE-1")
+    if observation.free_delayed and "delays_free" in judge.execution.capabilities.never:
+        raise ClauseViolation("KVC-FREE-1", f"the connector delayed the free of {list(observation.free_delayed)}, "
+                                            "though its manifest declares that it never delays a free (never: "
+                                            "delays_free)")
     strangers = sorted(released - delayed)
     if strangers:
         raise ClauseViolation("KVC-FREE-1", f"the connector ended the delayed free of {strangers}, whose frees it "

@@ -221,9 +221,22 @@ def certification_gaps(run_report: RunReport, level: SpecLevel | None = None) ->
     judged_ids = {c.id for c in judged}
     gaps += [f"{clause}: known failure ({reason})" for clause, reason in sorted(run_report.known_failures.items())
              if clause in judged_ids]
+    ruled_out = not_applicable(run_report.capabilities)
     gaps += [f"{c.id} ({c.requirement}) was not exercised" for c in judged
-             if c.requirement.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"]
+             if c.requirement.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"
+             and c.id not in ruled_out]
     return gaps
+
+
+NEVER_RULES_OUT: dict[str, tuple[str, ...]] = {"delays_free": ("KVC-FREE-1",), "fails_load": ("KVC-FAIL-1",)}
+"""What a connector's design never does (`Capabilities.never`, its manifest) -> the clauses that can then never be
+exercised for it; the judge fails the clause if the connector does it after all (KVC-FREE-1, KVC-FAIL-1)."""
+
+
+def not_applicable(capabilities: Capabilities) -> set[str]:
+    """Return the clauses that cannot be exercised for an adapter whose manifest declares what it never does: certifying
+    counts them as not applicable, not as unexercised (CONF-CERT-1)."""
+    return {clause for never in capabilities.never for clause in NEVER_RULES_OUT[never]}
 
 
 def junit_xml(run_report: RunReport) -> str:

@@ -25,13 +25,14 @@ from kvconform.common.values import (
     StepObservation,
     TransferOutcome,
 )
-from kvconform.conformance import options, runner
+from kvconform.conformance import options, report, runner
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.connector_level import (
     MASKED_FAULTS,
     ConnectorJudge,
     check_answer_range,
     check_async_loads,
+    check_delayed_frees,
     check_load_failures,
     check_resident_bytes,
     check_skip_read_black_box,
@@ -353,3 +354,34 @@ def test_a_synchronous_hit_of_every_token_is_kvc_match_1_before_the_assertion(ow
     violation = replay(Session(own_clock("LoadsAllSynchronously")), reload_after_reset()).violation
     assert violation is not None and violation.clause == "KVC-MATCH-1", violation
     assert "a synchronous load of all of them" in violation.detail, violation.detail
+
+
+FAILED_LOAD = StepObservation(scheduled_tokens={}, computed_tokens={"r": 0}, loads_finished=("r",), loads_failed=("r",),
+                              match_answers=(MatchAnswer(request_id="r", local_hit_tokens=0, external_tokens=4,
+                                                         load_async=True),))
+DELAYED_FREE = StepObservation(scheduled_tokens={}, computed_tokens={}, finished=("r",), free_delayed=("r",))
+
+
+@pytest.mark.parametrize("never, observation, check", [("fails_load", FAILED_LOAD, check_load_failures),
+                                                       ("delays_free", DELAYED_FREE, check_delayed_frees)])
+def test_a_connector_that_does_what_its_manifest_says_it_never_does_fails_the_clause(
+        never: str, observation: StepObservation, check: Callable[..., None]) -> None:
+    """Issue 22 item 6: the manifest's `never` is verified at run time: a failed load or a delayed free observed from a
+    connector that declared it never does them fails KVC-FAIL-1 or KVC-FREE-1; undeclared, the same step passes."""
+    judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT))
+    check(judge, observation)
+    judge.execution.capabilities = Capabilities(never=(never,))
+    with pytest.raises(ClauseViolation) as raised:
+        check(judge, observation)
+    assert raised.value.clause == report.NEVER_RULES_OUT[never][0] and f"never: {never}" in raised.value.detail
+
+
+def test_certify_counts_the_clauses_a_manifest_rules_out_as_not_applicable() -> None:
+    """CONF-CERT-1: KVC-FAIL-1 unexercised is a gap, unless the manifest declares that the connector never fails a
+    load; KVC-FREE-1, not declared, stays one."""
+    result = runner.RunResult(adapter="a", profile="ci", seed=None, passed=True, seconds=1.0, levels=("connector",))
+    gaps = report.certification_gaps(report.build(result, "v", Capabilities(levels=("connector",))))
+    ruled_out = report.build(result, "v", Capabilities(levels=("connector",), never=("fails_load",)))
+    assert any(gap.startswith("KVC-FAIL-1") for gap in gaps)
+    assert not any(gap.startswith("KVC-FAIL-1") for gap in report.certification_gaps(ruled_out))
+    assert any(gap.startswith("KVC-FREE-1") for gap in report.certification_gaps(ruled_out))
