@@ -191,11 +191,10 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print("known failures met: " + ", ".join(f"{name} x{count}"
                                                          for name, count in run_report.known_failures_met.items()),
                       highlight=False)
+    ruled_out = report.not_applicable(run_report.capabilities, run_report.levels)
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}"
-                  + (f"; not applicable (manifest never: {', '.join(run_report.capabilities.never)}): "
-                     f"{', '.join(sorted(report.not_applicable(run_report.capabilities)))}"
-                     if run_report.capabilities.never else ""), highlight=False)
+                  + (f"; not applicable: {', '.join(sorted(ruled_out))}" if ruled_out else ""), highlight=False)
     if run_report.outcome == "ok":
         console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.statistics.steps} steps judged"
                       + (f", {run_report.statistics.steps_after_known_failure} of them after a known failure"

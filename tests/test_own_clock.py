@@ -385,3 +385,8 @@ def test_certify_counts_the_clauses_a_manifest_rules_out_as_not_applicable() -> 
     assert any(gap.startswith("KVC-FAIL-1") for gap in gaps)
     assert not any(gap.startswith("KVC-FAIL-1") for gap in report.certification_gaps(ruled_out))
     assert any(gap.startswith("KVC-FREE-1") for gap in report.certification_gaps(ruled_out))
+    assert not any(gap.startswith("CONF-OBS-2") for gap in gaps), "BlockRefs are the offloading level's"
+    both_levels = runner.RunResult(adapter="a", profile="ci", seed=None, passed=True, seconds=1.0,
+                                   levels=("connector", "offloading"))
+    assert any(gap.startswith("CONF-OBS-2") for gap in report.certification_gaps(
+        report.build(both_levels, "v", Capabilities(never=("fails_load",)))))
