@@ -277,6 +277,19 @@ def test_a_skip_read_answer_the_scheduler_replaces_is_a_finding_not_a_failure(ow
 
 @pytest.mark.vllm
 @needs_vllm
+def test_a_double_whose_manifest_denies_its_delayed_frees_fails_kvc_free_1(own_clock: Callable[[str], type],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest's `never` verified at run time on a real connector: the double delays the free of a request with
+    saves in flight, so declaring `never: delays_free` for it fails KVC-FREE-1 (the twin is the lying manifest)."""
+    adapter = own_clock("OwnClockConnector")
+    monkeypatch.setenv("KVCONFORM_CONNECTOR_MANIFEST", '{"never": ["delays_free"]}')
+    violation = replay(Session(adapter), reload_after_reset()).violation
+    assert violation is not None and violation.clause == "KVC-FREE-1", violation
+    assert "never: delays_free" in violation.detail
+
+
+@pytest.mark.vllm
+@needs_vllm
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_double_reloads_what_it_saved_on_its_own_clock(own_clock: Callable[[str], type],
                                                            async_scheduling: bool) -> None:
