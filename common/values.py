@@ -80,9 +80,10 @@ class MatchAnswer(_Frozen):
     external_tokens: int | None = Field(description="the connector's count as it answered it; a negative one is a "
                                                     "fault the connector level judges (KVC-MATCH-1)")
     load_async: bool
-    num_tokens: int | None = Field(None, ge=0, description="the request's tokens when it was asked (vLLM's "
-                                                           "`request.num_tokens`), where the adapter knows them: a "
-                                                           "synchronous load leaves the last to compute (KVC-MATCH-1)")
+    num_tokens: int | None = Field(None, ge=0, exclude_if=lambda value: value is None,  # scenarios written without it
+                                   description="the request's tokens when it was asked (vLLM's `request.num_tokens`), "
+                                               "where the adapter knows them: a synchronous load leaves the last to "
+                                               "compute (KVC-MATCH-1)")
 
 
 class LoadJob(_Frozen):
