@@ -377,7 +377,8 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
 
 @main.command("bench")
 @click.option("--only", default=None, metavar="NAMES",
-              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling, workers (default: all)")
+              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling, workers, vendor "
+                   "(default: all)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("kvconform-bench.json"), show_default=True, help="Write every figure as JSON here")
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,
