@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvconform.benchmarks import counterexample, scaling, throughput, transfer, workers
+from kvconform.benchmarks import counterexample, scaling, throughput, transfer, vendor, workers
 from kvconform.benchmarks.figures import BenchReport, Figure, Progress, build_report
 from kvconform.conformance.mutants import MUTANTS
 
@@ -23,6 +23,7 @@ class Settings:
     transfer: transfer.TransferSettings = field(default_factory=transfer.TransferSettings)
     scaling: scaling.ScalingSettings = field(default_factory=scaling.ScalingSettings)
     workers: workers.WorkersSettings = field(default_factory=workers.WorkersSettings)
+    vendor: vendor.VendorSettings = field(default_factory=vendor.VendorSettings)
 
 
 BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
@@ -31,6 +32,7 @@ BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
     transfer.NAME: lambda settings, progress: transfer.measure(settings.transfer, progress),
     scaling.NAME: lambda settings, progress: scaling.measure(settings.scaling, progress),
     workers.NAME: lambda settings, progress: workers.measure(settings.workers, progress),
+    vendor.NAME: lambda settings, progress: vendor.measure(settings.vendor, progress),
 }
 """Benchmark name → how to run it; the issue's order."""
 

@@ -80,6 +80,10 @@ class MatchAnswer(_Frozen):
     external_tokens: int | None = Field(description="the connector's count as it answered it; a negative one is a "
                                                     "fault the connector level judges (KVC-MATCH-1)")
     load_async: bool
+    num_tokens: int | None = Field(None, ge=0, exclude_if=lambda value: value is None,  # scenarios written without it
+                                   description="the request's tokens when it was asked (vLLM's `request.num_tokens`), "
+                                               "where the adapter knows them: a synchronous load leaves the last to "
+                                               "compute (KVC-MATCH-1)")
 
 
 class LoadJob(_Frozen):
@@ -228,6 +232,13 @@ class Capabilities(_Frozen):
                                                                  "KVC-LIVE-1)")
     complete_in_step: bool = Field(False, description="step(complete_transfers=…) finishes the transfers in flight "
                                                       "inside the step, where the worker polls its jobs")
+    never: tuple[Literal["delays_free", "fails_load"], ...] = Field((), description="what the connector's design "
+                                                                                    "never does, as its manifest "
+                                                                                    "declares: verified at run time "
+                                                                                    "(KVC-FREE-1, KVC-FAIL-1), and "
+                                                                                    "the clauses it rules out are not "
+                                                                                    "applicable to --certify "
+                                                                                    "(CONF-CERT-1)")
     levels: tuple[SpecLevel, ...] = Field(("connector", "offloading"), description="the spec levels whose "
                                                                                  "observations it reports")
     kv_cache_groups: int = Field(1, description="KV-cache groups; the spec covers one")

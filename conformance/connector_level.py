@@ -230,20 +230,43 @@ def answer_fault(judge: ConnectorJudge, answer: MatchAnswer) -> ClauseViolation 
         return ClauseViolation("KVC-MATCH-1", f"request {request_id!r}: answered ({tokens}, {answer.load_async}) after "
                                               f"a local hit of {answer.local_hit_tokens}; the request has at most "
                                               f"{bound} tokens with KV")
+    if not answer.load_async and tokens and answer.num_tokens is not None and (
+            answer.local_hit_tokens + tokens >= answer.num_tokens):
+        return ClauseViolation("KVC-MATCH-1", f"request {request_id!r}: answered a synchronous load of {tokens} "
+                                              f"after a local hit of {answer.local_hit_tokens}, covering all of its "
+                                              f"{answer.num_tokens} tokens: none is left to compute")
     if judge.requests[request_id].skip_reading_prefix_cache and (tokens or answer.load_async):
         return ClauseViolation("KVC-SKIP-1", f"request {request_id!r} must not read cached KV, yet the connector "
                                              f"answered ({tokens}, {answer.load_async})")
     return None
 
 
-def record_masked(judge: ConnectorJudge, fault: ClauseViolation) -> None:
+MASKED_FAULTS: dict[str, tuple[Callable[[ConnectorJudge, MatchAnswer], bool], str]] = {
+    "negative count": (lambda judge, answer: (answer.external_tokens or 0) < 0,
+                       "every release read (vLLM 0.28-0.34: Scheduler.schedule never checks the count's sign), "
+                       "with either load mode"),
+    "synchronous hit of every token": (
+        lambda judge, answer: not answer.load_async and bool(answer.external_tokens) and answer.num_tokens is not None
+        and answer.local_hit_tokens + (answer.external_tokens or 0) >= answer.num_tokens,
+        "every release read, synchronous loads only (vLLM 0.23-0.34: Scheduler.schedule asserts num_new_tokens > 0 "
+        "and recomputes the last token of an asynchronous load's full hit only, `_update_waiting_for_remote_kv`)"),
+    "skip-read answered": (lambda judge, answer: judge.requests[answer.request_id].skip_reading_prefix_cache,
+                           "releases whose Scheduler.schedule takes a skip-read request's answer as given "
+                           "(`skip_read_condition` is None: vLLM 0.23, 0.24, 0.28, 0.30; 0.32-0.34 replace it), with "
+                           "either load mode"),
+}
+"""Each kind of masked fault, by name: how to tell it from the connector's own answer, and the releases and load modes
+where it fails, as read in their code (KVC-MATCH-1, KVC-SKIP-1); the first kind that fits is named."""
+
+
+def record_masked(judge: ConnectorJudge, answer: MatchAnswer, fault: ClauseViolation) -> None:
     """Keep the fault of an answer the engine's scheduler replaced before using it as a finding, not a failure: this
-    release masks it; a release that takes the connector's answer as given fails it (vLLM 0.23, 0.24 for a skip-read
-    request)."""
+    release masks it; the finding names where it fails, from `MASKED_FAULTS`."""
+    kind, (_, fails_on) = next(((kind, row) for kind, row in MASKED_FAULTS.items() if row[0](judge, answer)),
+                               ("fault", (None, "releases that take the connector's answer as given")))
     judge.execution.session.findings.setdefault(fault.clause, f"{fault.detail}; masked by this release's scheduler, "
-                                                              "which replaced the answer before using it; it fails on "
-                                                              "releases that take the connector's answer as given "
-                                                              "(vLLM 0.23, 0.24)")
+                                                              "which replaced the answer before using it; as a "
+                                                              f"{kind} it fails on {fails_on}")
 
 
 def judge_answers(judge: ConnectorJudge, observation: StepObservation, clause: str,
@@ -259,13 +282,14 @@ def judge_answers(judge: ConnectorJudge, observation: StepObservation, clause: s
     for answer in observation.masked_answers:
         fault = answer_fault(judge, answer)
         if fault is not None and fault.clause == clause:
-            record_masked(judge, fault)
+            record_masked(judge, answer, fault)
 
 
 @check("KVC-MATCH-1", kind="connector")
 def check_answer_range(judge: ConnectorJudge, observation: StepObservation) -> None:
-    """Every answer is None or a non-negative count within the request's tokens, asynchronous only when not 0; one the
-    scheduler replaced is judged as the connector gave it, a finding (`record_masked`)."""
+    """Every answer is None or a non-negative count within the request's tokens, asynchronous only when not 0, and a
+    synchronous load leaves a token to compute; one the scheduler replaced is judged as the connector gave it, a
+    finding (`record_masked`)."""
     judge_answers(judge, observation, "KVC-MATCH-1", lambda answer: True)
 
 
@@ -312,6 +336,10 @@ def check_async_loads(judge: ConnectorJudge, observation: StepObservation) -> No
 def check_load_failures(judge: ConnectorJudge, observation: StepObservation) -> None:
     """A failed load is reported only for a request with a load; the tokens it failed to bring are then recomputed."""
     offered = judge.offered_loads(observation)
+    if observation.loads_failed and "fails_load" in judge.execution.capabilities.never:
+        raise ClauseViolation("KVC-FAIL-1", f"the connector reported failed loads of {list(observation.loads_failed)}, "
+                                            "though its manifest declares that it never fails a load (never: "
+                                            "fails_load)")
     for request_id in observation.loads_failed:
         judge.exercise("KVC-FAIL-1")
         if request_id not in offered:
@@ -331,6 +359,10 @@ def check_delayed_frees(judge: ConnectorJudge, observation: StepObservation) -> 
     released, freed = set(observation.saves_finished), set(observation.freed)
     if observation.free_delayed or released:
         judge.exercise("KVC-FREE-1")
+    if observation.free_delayed and "delays_free" in judge.execution.capabilities.never:
+        raise ClauseViolation("KVC-FREE-1", f"the connector delayed the free of {list(observation.free_delayed)}, "
+                                            "though its manifest declares that it never delays a free (never: "
+                                            "delays_free)")
     strangers = sorted(released - delayed)
     if strangers:
         raise ClauseViolation("KVC-FREE-1", f"the connector ended the delayed free of {strangers}, whose frees it "

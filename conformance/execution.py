@@ -114,7 +114,7 @@ class Session:
     exercise: exercise.Table = field(default_factory=dict)
     """How often the run drew each situation, per scheduling mode (`exercise.SITUATIONS`, CONF-CAP-1)."""
     findings: dict[str, str] = field(default_factory=dict)
-    """Faults the engine's scheduler masked, by clause (`connector_level.check_masked_answers`): reported, not
+    """Faults the engine's scheduler masked, by clause (`connector_level.record_masked`): reported, not
     failed."""
     statistics: RunStatistics = field(default_factory=RunStatistics)
     observed_failure: ClauseViolation | None = None

@@ -228,9 +228,30 @@ def certification_gaps(run_report: RunReport, level: SpecLevel | None = None) ->
     judged_ids = {c.id for c in judged}
     gaps += [f"{clause}: known failure ({reason})" for clause, reason in sorted(run_report.known_failures.items())
              if clause in judged_ids]
+    ruled_out = not_applicable(run_report.capabilities, run_report.levels)
     gaps += [f"{c.id} ({c.requirement}) was not exercised" for c in judged
-             if c.requirement.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"]
+             if c.requirement.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"
+             and c.id not in ruled_out]
     return gaps
+
+
+NEVER_RULES_OUT: dict[str, tuple[str, ...]] = {"delays_free": ("KVC-FREE-1",), "fails_load": ("KVC-FAIL-1",)}
+"""What a connector's design never does (`Capabilities.never`, its manifest) -> the clauses that can then never be
+exercised for it; the judge fails the clause if the connector does it after all (KVC-FREE-1, KVC-FAIL-1)."""
+
+
+LEVEL_RULES: dict[str, SpecLevel] = {"CONF-OBS-2": "offloading"}
+"""Rules of judging (chapter 07) that bind only one level's observations: BlockRefs name offloaded blocks, which only
+an adapter judged at the offloading level reports (CONF-OBS-2)."""
+
+
+def not_applicable(capabilities: Capabilities, levels: Iterable[SpecLevel]) -> set[str]:
+    """Return the clauses that cannot be exercised for this adapter: those its manifest rules out (what it never does)
+    and the rules of judging of a level the run did not judge. Certifying counts them as not applicable, not as
+    unexercised (CONF-CERT-1)."""
+    judged = set(levels)
+    return ({clause for never in capabilities.never for clause in NEVER_RULES_OUT[never]}
+            | {clause for clause, level in LEVEL_RULES.items() if level not in judged})
 
 
 def junit_xml(run_report: RunReport) -> str:

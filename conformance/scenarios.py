@@ -406,12 +406,23 @@ def _tokens_of_reference(part: dict[str, str], requests: dict[str, RequestSpec])
 def _expect(scenario: Scenario, number: int, observation: dict[str, Any], expect: dict[str, Any],
             clauses: dict[str, str]) -> None:
     """Raise `ClauseViolation` with a diff of every expected field the step's observation does not match."""
-    wrong = [name for name, wanted in expect.items() if observation[name] != _json(wanted)]
+    observed = {name: _fields_named(observation[name], _json(wanted)) for name, wanted in expect.items()}
+    wrong = [name for name, wanted in expect.items() if observed[name] != _json(wanted)]
     if wrong:
-        diff = "".join(f"\n  {name}:\n    - expected {_json(expect[name])!r}\n    + observed {observation[name]!r}"
+        diff = "".join(f"\n  {name}:\n    - expected {_json(expect[name])!r}\n    + observed {observed[name]!r}"
                        for name in wrong)
         raise ClauseViolation(clauses.get(wrong[0], scenario.clause), f"scenario {scenario.name}, op {number} (step): "
                                                                         f"expected vs observed{diff}")
+
+
+def _fields_named(observed: Any, wanted: Any) -> Any:
+    """Return the observed list of records with only the fields the expected records name, where both are lists of
+    records of one length: a field an adapter adds and the scenario does not state (`MatchAnswer.num_tokens`) is not
+    compared."""
+    if (isinstance(observed, list) and isinstance(wanted, list) and len(observed) == len(wanted)
+            and all(isinstance(item, dict) for item in observed + wanted)):
+        return [{key: item.get(key) for key in want} for item, want in zip(observed, wanted, strict=True)]
+    return observed
 
 
 def tokens_of(request_id: str) -> dict[str, str]:

@@ -234,8 +234,10 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print("known failures met: " + ", ".join(f"{name} x{count}"
                                                          for name, count in run_report.known_failures_met.items()),
                       highlight=False)
+    ruled_out = report.not_applicable(run_report.capabilities, run_report.levels)
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
-                  f"{', '.join(run_report.certified_levels) or 'none'}")
+                  f"{', '.join(run_report.certified_levels) or 'none'}"
+                  + (f"; not applicable: {', '.join(sorted(ruled_out))}" if ruled_out else ""), highlight=False)
     if run_report.outcome == "ok":
         console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.statistics.steps} steps judged"
                       + (f", {run_report.statistics.steps_after_known_failure} of them after a known failure"
@@ -418,7 +420,8 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
 
 @main.command("bench")
 @click.option("--only", default=None, metavar="NAMES",
-              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling, workers (default: all)")
+              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling, workers, vendor "
+                   "(default: all)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("kvconform-bench.json"), show_default=True, help="Write every figure as JSON here")
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,

@@ -99,6 +99,32 @@ class AnswersSkipReadRequests(ReferenceAdapter):
         return observation.model_copy(update={"match_answers": answers})
 
 
+def answers_a_synchronous_full_hit(masked: bool) -> type[ReferenceAdapter]:
+    """Return the black-box reference adapter whose connector answers every hit as a synchronous load of all of its
+    request's tokens (KVC-MATCH-1; its requests are fresh, so their tokens are their prompts). With `masked` its
+    engine's scheduler replaces that answer by the reference's own before using it, and reports both; without, the
+    engine takes it as given."""
+
+    def add_request(self: ReferenceAdapter, request: RequestSpec) -> None:
+        ReferenceAdapter.add_request(self, request)
+        self.prompts = {**getattr(self, "prompts", {}), request.request_id: len(request.prompt)}
+
+    def step(self: ReferenceAdapter) -> StepObservation:
+        observation = ReferenceAdapter.step(self)
+        taken = tuple(answer.model_copy(update={"num_tokens": self.prompts[answer.request_id]})
+                      for answer in observation.match_answers)
+        given = tuple(answer.model_copy(update={"external_tokens": answer.num_tokens - answer.local_hit_tokens,
+                                                "load_async": False}) if answer.external_tokens else answer
+                      for answer in taken)
+        if not masked:
+            return observation.model_copy(update={"match_answers": given})
+        replaced = tuple(answer for answer in given if answer not in taken)
+        return observation.model_copy(update={"match_answers": taken, "masked_answers": replaced})
+
+    return black_box(type(f"SynchronousFullHit{'Masked' * masked}", (ReferenceAdapter,),
+                          {"add_request": add_request, "step": step}))
+
+
 FAULTS: dict[str, tuple[Callable[[], Any], str, str]] = {
     "step-raises": (faulty("step", raising), "CONF-CALL-1", "adapter.step()"),
     "step-exits": (faulty("step", exiting), "CONF-CALL-1", "adapter.step()"),

@@ -305,6 +305,16 @@ class AnswersPastThePrompt(OwnClockConnector):
         return self.store.leading_hits(self.keys(request, request.num_tokens)) * self.block_size
 
 
+class LoadsAllSynchronously(OwnClockConnector):
+    """Offers a stored prompt whole, as a synchronous load: no token is left to compute (KVC-MATCH-1)."""
+
+    def hit_tokens(self, request: Any) -> int:
+        return self.store.leading_hits(self.keys(request, request.num_tokens)) * self.block_size
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)[0], False
+
+
 class IgnoresSkipRead(OwnClockConnector):
     """Answers a request that must not read cached KV like any other (KVC-SKIP-1 where the release trusts the
     connector: vLLM 0.23, 0.24)."""

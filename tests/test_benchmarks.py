@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from faulty_adapters import faulty, raising
-from kvconform.benchmarks import counterexample, scaling, suite, throughput, transfer, workers
+from kvconform.benchmarks import counterexample, scaling, suite, throughput, transfer, vendor, workers
 from kvconform.cli import main
 from kvconform.conformance.mutants import MUTANTS, Mutant
 from kvconform.conformance.profiles import PROFILES, Profile
@@ -31,7 +31,9 @@ TINY = dict(
                                     tail_tokens=4, max_tokens=2, repetitions=1),
     workers=workers.WorkersSettings(workers=(1,), profile="smoke", catalogue_profile="smoke",
                                     mutants=("skip-flag-ignored",)),
+    vendor=vendor.VendorSettings(connector="tests.no_such_connector:Nope", scenarios=("tenant-isolation",)),
 )
+"""The vendor benchmark's commands are refused before vLLM's import (an unknown module): four processes, no run."""
 
 COUNTS = {"requests", "fraction"}
 """Units whose figures may be 0: a counterexample may need no request, a share may be nothing."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from faulty_adapters import answers_a_synchronous_full_hit
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import runner
-from kvconform.conformance.connector_level import ConnectorJudge
+from kvconform.conformance.connector_level import MASKED_FAULTS, ConnectorJudge
 from kvconform.conformance.execution import Call, Execution, Session, replay
 from kvconform.conformance.mutants import MUTANTS, FinishesEarlyEngine, black_box
 from kvconform.conformance.offloading_level import OffloadingJudge
@@ -111,3 +112,30 @@ def test_reference_conforms_at_the_connector_level_alone(scheduling: str) -> Non
     assert result.levels == ("connector",)
     assert not any(clause.startswith(("OFF-", "XFER-", "SCHED-")) for clause in result.coverage)
     assert {"KVC-DATA-1", "KVC-HIT-1", "KVC-ASYNC-1", "KVC-LIVE-1"} <= set(result.coverage)
+
+
+def reload_after_reset() -> list[Call]:
+    """A prompt computed, the local prefix cache reset, the same prompt again: the connector offers it all."""
+    return [Call("start", (EngineConfig(block_size_factor=1, num_offload_blocks=32),)),
+            Call("add_request", (RequestSpec(request_id="r0", prompt=PROMPT),)), Call("drain"),
+            Call("reset_prefix_cache", (False,)), Call("add_request", (RequestSpec(request_id="r1", prompt=PROMPT),)),
+            Call("drain")]
+
+
+def test_a_synchronous_full_hit_fails_kvc_match_1_where_the_engine_takes_it() -> None:
+    """KVC-MATCH-1: a synchronous load of every token leaves none to compute; taken as given, it fails the run."""
+    violation = replay(Session(answers_a_synchronous_full_hit(masked=False)), reload_after_reset()).violation
+    assert violation is not None and violation.clause == "KVC-MATCH-1", violation
+    assert f"covering all of its {len(PROMPT)} tokens" in violation.detail
+
+
+def test_a_synchronous_full_hit_the_scheduler_replaced_is_a_finding_not_a_failure() -> None:
+    """Issue 22: the same answer, replaced by the engine's scheduler before use, is reported as a finding that names
+    its kind and where it fails (`MASKED_FAULTS`), and the run passes."""
+    session = Session(answers_a_synchronous_full_hit(masked=True))
+    assert replay(session, reload_after_reset()).violation is None
+    finding = session.findings["KVC-MATCH-1"]
+    assert f"covering all of its {len(PROMPT)} tokens" in finding and "masked by this release's scheduler" in finding
+    assert f"as a synchronous hit of every token it fails on {MASKED_FAULTS['synchronous hit of every token'][1]}" \
+        in finding, finding
+

@@ -25,13 +25,17 @@ from kvconform.common.values import (
     StepObservation,
     TransferOutcome,
 )
-from kvconform.conformance import options, runner
+from kvconform.conformance import options, report, runner
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.connector_level import (
+    MASKED_FAULTS,
     ConnectorJudge,
+    check_answer_range,
     check_async_loads,
+    check_delayed_frees,
     check_load_failures,
     check_resident_bytes,
+    check_skip_read_black_box,
 )
 from kvconform.conformance.execution import Execution, Session, replay
 from kvconform.conformance.mutants import black_box
@@ -273,6 +277,19 @@ def test_a_skip_read_answer_the_scheduler_replaces_is_a_finding_not_a_failure(ow
 
 @pytest.mark.vllm
 @needs_vllm
+def test_a_double_whose_manifest_denies_its_delayed_frees_fails_kvc_free_1(own_clock: Callable[[str], type],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest's `never` verified at run time on a real connector: the double delays the free of a request with
+    saves in flight, so declaring `never: delays_free` for it fails KVC-FREE-1 (the twin is the lying manifest)."""
+    adapter = own_clock("OwnClockConnector")
+    monkeypatch.setenv("KVCONFORM_CONNECTOR_MANIFEST", '{"never": ["delays_free"]}')
+    violation = replay(Session(adapter), reload_after_reset()).violation
+    assert violation is not None and violation.clause == "KVC-FREE-1", violation
+    assert "never: delays_free" in violation.detail
+
+
+@pytest.mark.vllm
+@needs_vllm
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_double_reloads_what_it_saved_on_its_own_clock(own_clock: Callable[[str], type],
                                                            async_scheduling: bool) -> None:
@@ -322,3 +339,67 @@ def test_wrong_bytes_name_the_load_its_steps_and_the_preemption_before_it() -> N
         check_resident_bytes(judge, "r", torch.zeros(8, EngineConfig().token_width, dtype=torch.float16))
     assert ("step 4; tokens 0-8 loaded asynchronously, admitted in step 3, reported finished in step 4; "
             "preempted in step 2") in raised.value.detail
+
+
+@pytest.mark.parametrize("skip_read, external, num_tokens, kind", [
+    (True, 4, None, "skip-read answered"), (False, -4, None, "negative count"),
+    (False, 16, 16, "synchronous hit of every token")])
+def test_a_masked_finding_names_where_it_fails_from_the_known_releases(skip_read: bool, external: int,
+                                                                       num_tokens: int | None, kind: str) -> None:
+    """Issue 22 item 5: a masked answer's finding names its kind and the releases and load modes where it fails, as
+    `MASKED_FAULTS` records them, not one literal for every fault."""
+    judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT, skip_reading_prefix_cache=skip_read))
+    answer = MatchAnswer(request_id="r", local_hit_tokens=0, external_tokens=external, load_async=False,
+                         num_tokens=num_tokens)
+    observation = StepObservation(scheduled_tokens={}, computed_tokens={}, masked_answers=(answer,),
+                                  match_answers=(answer.model_copy(update={"external_tokens": 0}),))
+    check_answer_range(judge, observation)
+    check_skip_read_black_box(judge, observation)
+    finding = judge.execution.session.findings["KVC-SKIP-1" if skip_read else "KVC-MATCH-1"]
+    assert f"as a {kind} it fails on {MASKED_FAULTS[kind][1]}" in finding, finding
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_synchronous_hit_of_every_token_is_kvc_match_1_before_the_assertion(own_clock: Callable[[str], type]) -> None:
+    """Issue 22: a synchronous load of a whole prompt leaves no token to compute; the connector's fault is named by its
+    clause, not vLLM's bare `assert num_new_tokens > 0` under CONF-CALL-1."""
+    violation = replay(Session(own_clock("LoadsAllSynchronously")), reload_after_reset()).violation
+    assert violation is not None and violation.clause == "KVC-MATCH-1", violation
+    assert "a synchronous load of all of them" in violation.detail, violation.detail
+
+
+FAILED_LOAD = StepObservation(scheduled_tokens={}, computed_tokens={"r": 0}, loads_finished=("r",), loads_failed=("r",),
+                              match_answers=(MatchAnswer(request_id="r", local_hit_tokens=0, external_tokens=4,
+                                                         load_async=True),))
+DELAYED_FREE = StepObservation(scheduled_tokens={}, computed_tokens={}, finished=("r",), free_delayed=("r",))
+
+
+@pytest.mark.parametrize("never, observation, check", [("fails_load", FAILED_LOAD, check_load_failures),
+                                                       ("delays_free", DELAYED_FREE, check_delayed_frees)])
+def test_a_connector_that_does_what_its_manifest_says_it_never_does_fails_the_clause(
+        never: str, observation: StepObservation, check: Callable[..., None]) -> None:
+    """Issue 22 item 6: the manifest's `never` is verified at run time: a failed load or a delayed free observed from a
+    connector that declared it never does them fails KVC-FAIL-1 or KVC-FREE-1; undeclared, the same step passes."""
+    judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT))
+    check(judge, observation)
+    judge.execution.capabilities = Capabilities(never=(never,))
+    with pytest.raises(ClauseViolation) as raised:
+        check(judge, observation)
+    assert raised.value.clause == report.NEVER_RULES_OUT[never][0] and f"never: {never}" in raised.value.detail
+
+
+def test_certify_counts_the_clauses_a_manifest_rules_out_as_not_applicable() -> None:
+    """CONF-CERT-1: KVC-FAIL-1 unexercised is a gap, unless the manifest declares that the connector never fails a
+    load; KVC-FREE-1, not declared, stays one."""
+    result = runner.RunResult(adapter="a", profile="ci", seed=None, passed=True, seconds=1.0, levels=("connector",))
+    gaps = report.certification_gaps(report.build(result, "v", Capabilities(levels=("connector",))))
+    ruled_out = report.build(result, "v", Capabilities(levels=("connector",), never=("fails_load",)))
+    assert any(gap.startswith("KVC-FAIL-1") for gap in gaps)
+    assert not any(gap.startswith("KVC-FAIL-1") for gap in report.certification_gaps(ruled_out))
+    assert any(gap.startswith("KVC-FREE-1") for gap in report.certification_gaps(ruled_out))
+    assert not any(gap.startswith("CONF-OBS-2") for gap in gaps), "BlockRefs are the offloading level's"
+    both_levels = runner.RunResult(adapter="a", profile="ci", seed=None, passed=True, seconds=1.0,
+                                   levels=("connector", "offloading"))
+    assert any(gap.startswith("CONF-OBS-2") for gap in report.certification_gaps(
+        report.build(both_levels, "v", Capabilities(never=("fails_load",)))))

@@ -530,17 +530,22 @@ class VllmAdapter(KVConnectorAdapter):
     def _record_match(self, result: tuple[int | None, bool], request: Any, num_computed_tokens: int) -> None:
         """Record the answer as the scheduler takes it, and the connector's own where the scheduler replaces it: a
         release may answer a request that must not read external KV itself (`skip_read_replaced`). An answer past the
-        request's tokens fails KVC-MATCH-1 here, before vLLM's scheduler fails a bare assertion on it."""
+        request's tokens, or a synchronous one covering all of them, fails KVC-MATCH-1 here, before vLLM's scheduler
+        fails a bare assertion on it (`assert num_computed_tokens <= request.num_tokens`, `assert num_new_tokens >
+        0`)."""
         taken = (0, False) if self.skip_read_replaced(request) else tuple(result)
         answers = [self.trace.match_answers] + [self.trace.masked_answers] * (taken != tuple(result))
         for answer, recorded in zip((taken, result), answers, strict=False):  # one answer where none was replaced
             recorded.append(MatchAnswer(request_id=request.request_id, local_hit_tokens=num_computed_tokens,
-                                        external_tokens=answer[0], load_async=answer[1]))
-        if taken[0] is not None and num_computed_tokens + taken[0] > request.num_tokens:
+                                        external_tokens=answer[0], load_async=answer[1],
+                                        num_tokens=request.num_tokens))
+        if taken[0] is not None and num_computed_tokens + taken[0] > request.num_tokens - (bool(taken[0])
+                                                                                           and not taken[1]):
             raise ImplementationFailure("KVC-MATCH-1", f"get_num_new_matched_tokens answered {taken} for request "
                                                        f"{request.request_id!r} after a local hit of "
                                                        f"{num_computed_tokens}: past its {request.num_tokens} tokens, "
-                                                       "which vLLM's scheduler would fail an assertion on")
+                                                       "or a synchronous load of all of them, which vLLM's scheduler "
+                                                       "would fail an assertion on")
 
     def skip_read_replaced(self, request: Any) -> bool:
         """Return whether the release's scheduler replaces this request's answer by (0, False) itself, as its own
