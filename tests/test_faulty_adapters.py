@@ -117,7 +117,9 @@ def test_interrupted_run_leaves_the_old_report_intact(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     process = subprocess.Popen([sys.executable, "-m", "kvconform.cli", "run", "--adapter",
                                 "faulty_adapters:SlowAdapter", "--report", str(path)],
-                               env=env, stderr=subprocess.PIPE, text=True)
+                               env=env, stderr=subprocess.PIPE, text=True,
+                               # as a terminal would: Ctrl-C not ignored, whatever an earlier test's vLLM set here
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     banner = process.stderr.readline()  # the run has started: imports and the adapter's build are done
     time.sleep(2)
     process.send_signal(signal.SIGINT)
