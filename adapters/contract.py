@@ -7,6 +7,7 @@ returns are those of `kvconform.common.values`.
 from __future__ import annotations
 
 import abc
+import os
 
 import torch
 
@@ -20,6 +21,20 @@ from kvconform.common.values import (
     StoreSnapshot,
     TransferOutcome,
 )
+
+
+TENSOR_PARALLEL_VARIABLE = "KVCONFORM_TENSOR_PARALLEL_SIZE"
+"""The tensor-parallel size a run asks an adapter for: ranks per engine, each with its share of the KV heads. Set by
+`kvconform run --tensor-parallel-size` and pytest's `--kv-tensor-parallel-size` (`conformance.options`); unset is 1."""
+
+
+def tensor_parallel_size() -> int:
+    """Return the tensor-parallel size the run asks for, or raise ValueError saying what is wrong with it."""
+    text = os.environ.get(TENSOR_PARALLEL_VARIABLE, "1").strip()
+    if not (text.isdigit() and int(text) >= 1):
+        raise ValueError(f"--tensor-parallel-size ({TENSOR_PARALLEL_VARIABLE}) must be a whole number of ranks, 1 or "
+                         f"more, not {text!r}")
+    return int(text)
 
 
 class ImplementationFailure(Exception):

@@ -17,7 +17,7 @@ from typing import TypeGuard, get_args
 
 from hypothesis.database import ExampleDatabase
 
-from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.adapters.contract import TENSOR_PARALLEL_VARIABLE, KVConnectorAdapter
 from kvconform.adapters.registry import AdapterNotFound, available, resolve
 from kvconform.common.values import Capabilities
 from kvconform.conformance import baseline, examples, report, runner
@@ -81,16 +81,23 @@ class RunOptions:
         return lines + ([f"warning: {self.unverified}"] if self.unverified else [])
 
 
-CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST")
-"""Where the connector that `vllm-connector` builds is named: set by --connector, --connector-config and
---connector-manifest (--kv-connector… in pytest), read by the adapter, also in pytest-xdist workers."""
+TENSOR_PARALLEL_OPTION = "--tensor-parallel-size"
+"""How many tensor-parallel ranks run each engine's worker side, each holding its share of the KV heads (vLLM's own
+flag name; `--kv-tensor-parallel-size` in pytest); passed to the adapter in `TENSOR_PARALLEL_VARIABLE`."""
+
+CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST",
+                       TENSOR_PARALLEL_VARIABLE)
+"""Where the connector that `vllm-connector` builds is named: set by --connector, --connector-config,
+--connector-manifest and --tensor-parallel-size (--kv-connector… in pytest), read by the adapter, also in
+pytest-xdist workers."""
 
 
-def select_connector(*values: str | None) -> None:
-    """Name the connector, its config and its manifest for `vllm-connector`; values not given are left as set."""
+def select_connector(*values: str | int | None) -> None:
+    """Name the connector, its config, its manifest and the tensor-parallel size for `vllm-connector`; values not
+    given are left as set."""
     for variable, value in zip(CONNECTOR_VARIABLES, values, strict=False):
         if value is not None:
-            os.environ[variable] = value
+            os.environ[variable] = str(value)
 
 
 def is_scheduling(name: str) -> TypeGuard[Scheduling]:

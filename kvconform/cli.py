@@ -35,6 +35,9 @@ CONNECTOR_OPTIONS = (
                  help="For --adapter vllm-connector: kv_connector_extra_config, JSON"),
     click.option("--connector-manifest", default=None,
                  help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields"),
+    click.option(options.TENSOR_PARALLEL_OPTION, "tensor_parallel_size", type=click.IntRange(min=1), default=None,
+                 help="For --adapter vllm-connector: worker-side connectors per engine, one per rank, each holding its "
+                      "share of the KV heads, their outputs aggregated by vLLM's KVOutputAggregator (default 1)"),
 )
 
 
@@ -77,18 +80,20 @@ def _connector_options(command):
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool,
                 scheduling: str, connector: str | None, connector_config: str | None, connector_manifest: str | None,
-                verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
+                tensor_parallel_size: int | None, verbose: bool, database: str, workers: int,
+                vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
     if vllm_releases is not None:
         given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
                  "--connector": connector, "--connector-config": connector_config,
-                 "--connector-manifest": connector_manifest, "--database": database, "--workers": workers}
+                 "--connector-manifest": connector_manifest, options.TENSOR_PARALLEL_OPTION: tensor_parallel_size,
+                 "--database": database, "--workers": workers}
         arguments = [str(item) for name, value in given.items() if value is not None for item in (name, value)]
         _run_releases(vllm_releases, arguments + ["--certify"] * certify, adapter_spec, profile, report_path,
                       junit_path)
-    options.select_connector(connector, connector_config, connector_manifest)
+    options.select_connector(connector, connector_config, connector_manifest, tensor_parallel_size)
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
@@ -96,7 +101,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                               drain_timeout=drain_timeout)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
-    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
+    ranks = f", tensor-parallel size {tensor_parallel_size}" if (tensor_parallel_size or 1) > 1 else ""
+    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}{ranks}, profile {profile}, "
                   f"{options.seed_words(seed)}, scheduling {scheduling}")
     for line in run.banner():
         console.print(f"kvconform: {line}", style="yellow" if line.startswith("warning") else None, highlight=False,
@@ -275,7 +281,8 @@ def _usage_error(message: str) -> None:
               default=None, help="File of 'CLAUSE-ID: reason' lines: failing one is reported, not fatal")
 @_connector_options
 def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: float, known_failures_path: Path | None,
-                   connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
+                   connector: str | None, connector_config: str | None, connector_manifest: str | None,
+                   tensor_parallel_size: int | None) -> None:
     """Run scenarios (JSON files with `ops`, or the names of bundled ones) and counterexamples (the program of a JSON
     report, or a JSON list of operations) on an adapter, each on a fresh instance from one factory (an engine such as
     vLLM is imported once) and as `kvconform run` runs its examples: one verdict each; the exit status is the worst
@@ -288,7 +295,7 @@ def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: fl
         replays = [_replayable(source) for source in sources]  # every file checked before the adapter is imported
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
         _usage_error(str(error))
-    options.select_connector(connector, connector_config, connector_manifest)
+    options.select_connector(connector, connector_config, connector_manifest, tensor_parallel_size)
     try:
         run = options.prepare(adapter_spec, call_timeout=call_timeout, known_failures_path=known_failures_path)
     except options.UsageProblem as problem:

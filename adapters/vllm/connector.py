@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvconform.adapters.contract import tensor_parallel_size
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
 from kvconform.adapters.vllm.lmcache import LMCacheSeam
@@ -52,6 +53,10 @@ SEAMS: dict[str, Callable[[VllmAdapter], TransferSeam]] = {"OffloadingConnector"
                                                             "LMCacheConnectorV1": LMCacheSeam}
 """The CPU seams of connectors whose workers copy with CUDA, by factory name (`lmcache.py` for LMCache's)."""
 
+NEEDS_PROCESS_GROUP = {"LMCacheConnectorV1": "lmcache_integration/vllm_v1_adapter.py:544 calls get_tp_group()"}
+"""Connectors whose worker side asks for a real tensor-parallel process group, by factory name: refused past one rank
+before the run starts. Any other connector that asks for it fails at its start, saying so (`runtime.NeedsProcessGroup`)."""
+
 
 class VllmConnectorAdapter(VllmAdapter):
     """A real vLLM scheduler with the connector named in the environment, judged as a black box."""
@@ -64,8 +69,17 @@ class VllmConnectorAdapter(VllmAdapter):
             raise AdapterNotFound(f"vllm-connector needs a connector: --connector NAME|module:Class (or {CONNECTOR})")
         self.connector_config = _json_object(CONNECTOR_CONFIG, os.environ.get(CONNECTOR_CONFIG, "{}"))
         self.manifest = _json_object(CONNECTOR_MANIFEST, os.environ.get(CONNECTOR_MANIFEST, "{}"))
+        try:
+            self.tensor_parallel_size = tensor_parallel_size()
+        except ValueError as error:
+            raise AdapterNotFound(str(error)) from None
         module, _, class_name = self.connector_spec.rpartition(":")
         self.connector_name, self.module_path = class_name, module or None
+        if self.tensor_parallel_size > 1 and self.module_path is None and self.connector_name in NEEDS_PROCESS_GROUP:
+            raise AdapterNotFound(f"{self.connector_name} cannot run with --tensor-parallel-size "
+                                  f"{self.tensor_parallel_size}: its worker needs a real tensor-parallel process group "
+                                  f"({NEEDS_PROCESS_GROUP[self.connector_name]}), and the kit runs the ranks in one "
+                                  "process; run it with --tensor-parallel-size 1")
         if self.module_path is not None:
             _find_module(self.module_path)
         super().__init__()
