@@ -537,13 +537,14 @@ class VllmAdapter(KVConnectorAdapter):
             self.trace.store_reads_in_flight |= self.transfers.store_reads()
             sampled.update(self._forward(scheduler_output, runner_tokens))
 
+        connector_outputs = [self._on_rank(rank, lambda r: r.runner.around_forward(scheduler_output, forward))
+                             for rank in self.ranks]
         req_ids = list(scheduler_output.num_scheduled_tokens)
         runner_outputs = [runtime.dataclass_kwargs(
             self.rt.outputs.ModelRunnerOutput, req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
-            kv_connector_output=self._on_rank(rank, lambda r: r.runner.around_forward(scheduler_output, forward)))
-            for rank in self.ranks]
+            kv_connector_output=connector_output) for connector_output in connector_outputs]
         return Batch(scheduler_output, self._aggregate(runner_outputs), sampled)
 
     def _on_rank(self, rank: Rank, call: Callable[[Rank], Any]) -> Any:
