@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from importlib import resources
@@ -522,6 +523,106 @@ def test_black_box_seam_saves_and_reports_the_connector_level_only(connector_env
     adapter.step = lambda step=adapter.step: observations.append(step()) or observations[-1]
     assert offered_after_local_reset(adapter, (1, 2, 3, 0) * 6) > 0
     assert not any(o.lookups or o.loads or o.store_offers or o.stores or o.evicted for o in observations), observations
+
+
+# --- vllm-connector with tensor parallelism: one worker-side connector per rank ----------------------
+
+
+def ranked_adapter(name: str, ranks: int) -> type:
+    """Return `vllm-connector` with connector `name` and `ranks` tensor-parallel ranks selected, as `--connector NAME
+    --tensor-parallel-size RANKS` select them (the fixture `connector_environment` forgets both)."""
+    options.select_connector(name, None, None, ranks)
+    from kvconform.adapters.vllm.connector import VllmConnectorAdapter
+
+    return VllmConnectorAdapter
+
+
+def save_and_load_program() -> list[Call]:
+    """Return a program that saves a prompt, resets the local prefix cache and loads the prompt back: the loaded bytes
+    are judged (KVC-DATA-1)."""
+    program = [Call("start", (EngineConfig(block_size_factor=1),))]
+    for request_id in ("fill", "read"):
+        program += [Call("add_request", (RequestSpec(request_id=request_id, prompt=(0, 1, 2, 3) * 6, max_tokens=3),)),
+                    Call("drain"), Call("reset_prefix_cache", (False,))]
+    return program
+
+
+def one_ranks_heads(adapter: Any) -> transfers.RankedTransfers:
+    """A broken rank: every rank's copies move rank 0's heads, so rank 1 saves and loads another rank's share."""
+    return transfers.RankedTransfers([adapter.kv.ranks[0]] * len(adapter.kv.ranks))
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_each_rank_moves_its_own_heads(connector_environment: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OffloadingConnector with two ranks: each rank's worker holds its half of the heads, vLLM's KVOutputAggregator
+    expects both ranks' reports, and a prompt saved and loaded back is judged on every rank's bytes (KVC-DATA-1). With
+    a rank that copies another rank's heads (the mutant) the same program fails KVC-DATA-1."""
+    from kvconform.adapters.vllm.engine import VllmAdapter
+
+    adapter = ranked_adapter("OffloadingConnector", 2)
+    program = save_and_load_program()
+    probe = adapter()
+    probe.start(EngineConfig(block_size_factor=1))
+    assert [kv.gpu.shape[2] for kv in probe.kv.ranks] == [4, 4] and probe.worker is probe.ranks[0].worker
+    assert probe.ranks[1].worker is not probe.worker and probe.aggregator._expected_finished_count == 2
+    probe.close()
+    assert replay(Session(adapter), program).violation is None
+    monkeypatch.setattr(VllmAdapter, "held_transfers", one_ranks_heads)
+    violation = replay(Session(adapter), program).violation
+    assert violation is not None and violation.clause == "KVC-DATA-1", violation
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_example_connector_ranks_overwrite_each_others_files(connector_environment: None) -> None:
+    """vLLM 0.34.0's ExampleConnector names a saved file by its tokens and layer, not its rank
+    (example_connector.py:411-423 `_generate_filename_debug`): with two ranks, rank 1's save overwrites rank 0's and both
+    load rank 1's heads (KVC-DATA-1); with one rank the same program passes."""
+    program = save_and_load_program()
+    assert replay(Session(ranked_adapter("ExampleConnector", 1)), program).violation is None
+    violation = replay(Session(ranked_adapter("ExampleConnector", 2)), program).violation
+    assert violation is not None and violation.clause == "KVC-DATA-1", violation
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_parallel_state_answers_the_rank_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parallel-state seam: a getter imported by name answers the rank inside `tensor_parallel_rank` and vLLM's own
+    answer after it; `get_tp_group` is refused with the one line that names the fix."""
+    import types
+
+    from vllm.distributed import parallel_state
+
+    importer = types.ModuleType("kvconform_test_importer")
+    importer.get_tensor_model_parallel_rank = parallel_state.get_tensor_model_parallel_rank  # type: ignore[attr-defined]
+    importer.get_tp_group = parallel_state.get_tp_group  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, importer.__name__, importer)
+    with runtime.tensor_parallel_rank(1, 2):
+        assert importer.get_tensor_model_parallel_rank() == 1  # type: ignore[attr-defined]
+        assert parallel_state.get_tensor_model_parallel_world_size() == 2
+        with pytest.raises(runtime.NeedsProcessGroup, match="--tensor-parallel-size 1"):
+            importer.get_tp_group()  # type: ignore[attr-defined]
+    assert importer.get_tensor_model_parallel_rank is parallel_state.get_tensor_model_parallel_rank  # type: ignore
+
+
+@pytest.mark.parametrize("arguments, size, message", [
+    (["--connector", "ExampleConnector"], "two", "must be a whole number of ranks, 1 or more, not 'two'"),
+    (["--connector", "LMCacheConnectorV1", "--tensor-parallel-size", "2"], None, "real tensor-parallel process group"),
+])
+def test_a_tensor_parallel_size_refused_is_one_line_exit_2(connector_environment: None,
+                                                           monkeypatch: pytest.MonkeyPatch, arguments: list[str],
+                                                           size: str | None, message: str) -> None:
+    """A size that is no number of ranks (`--kv-tensor-parallel-size` or the environment; `kvconform run` takes whole
+    numbers from 1 only), or ranks for a connector that needs a real process group, is refused before the run: one
+    line, exit 2, no traceback, no vLLM needed to say so."""
+    if size is not None:
+        monkeypatch.setenv(options.TENSOR_PARALLEL_VARIABLE, size)
+    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--profile", "smoke", *arguments])
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    below_one = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--tensor-parallel-size", "0"])
+    assert below_one.exit_code == 2 and "'--tensor-parallel-size': 0 is not in the range" in below_one.stderr
 
 
 # --- LMCache ------------------------------------------------------------------------------------
