@@ -17,6 +17,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import pickle
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -528,8 +529,8 @@ class VllmAdapter(KVConnectorAdapter):
         self.transfers.begin_step()
         self.observe_metadata(scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return Batch(scheduler_output, self._aggregate([self._on_rank(rank, lambda r: r.runner.no_forward(
-                scheduler_output)) for rank in self.ranks]), {})
+            return Batch(scheduler_output, self._aggregate([self._on_rank(rank, lambda r, given: r.runner.no_forward(
+                given), scheduler_output) for rank in self.ranks]), {})
         runner_tokens = self._runner_tokens(scheduler_output)
         sampled: dict[str, int] = {}
 
@@ -537,8 +538,8 @@ class VllmAdapter(KVConnectorAdapter):
             self.trace.store_reads_in_flight |= self.transfers.store_reads()
             sampled.update(self._forward(scheduler_output, runner_tokens))
 
-        connector_outputs = [self._on_rank(rank, lambda r: r.runner.around_forward(scheduler_output, forward))
-                             for rank in self.ranks]
+        connector_outputs = [self._on_rank(rank, lambda r, given: r.runner.around_forward(given, forward),
+                                           scheduler_output) for rank in self.ranks]
         req_ids = list(scheduler_output.num_scheduled_tokens)
         runner_outputs = [runtime.dataclass_kwargs(
             self.rt.outputs.ModelRunnerOutput, req_ids=req_ids,
@@ -547,11 +548,16 @@ class VllmAdapter(KVConnectorAdapter):
             kv_connector_output=connector_output) for connector_output in connector_outputs]
         return Batch(scheduler_output, self._aggregate(runner_outputs), sampled)
 
-    def _on_rank(self, rank: Rank, call: Callable[[Rank], Any]) -> Any:
-        """Return `call(rank)` run as rank's worker: its connector is vLLM's KV transfer group (`at_rank`)."""
+    def _on_rank(self, rank: Rank, call: Callable[[Rank, Any], Any], scheduler_output: Any) -> Any:
+        """Return `call(rank, scheduler_output)` run as rank's worker: its connector is vLLM's KV transfer group
+        (`at_rank`). Past one rank each worker gets its own copy of the scheduler output, as `MultiprocExecutor`'s
+        broadcast queue pickles it to every worker process (`shm_broadcast.MessageQueue.enqueue`): a worker that
+        consumes its connector metadata leaves the other ranks' intact; one worker gets the object itself, as from
+        `UniProcExecutor`."""
+        given = scheduler_output if len(self.ranks) == 1 else pickle.loads(pickle.dumps(scheduler_output))
         with self.at_rank(rank.index):
             rank.runner.install()
-            return call(rank)
+            return call(rank, given)
 
     def _aggregate(self, outputs: list[Any]) -> Any:
         """Return the runner output the scheduler gets: one worker's as it is (vLLM's `UniProcExecutor`), or rank 0's
