@@ -22,7 +22,6 @@ from kvconform.common.values import (
     TransferOutcome,
 )
 
-
 TENSOR_PARALLEL_VARIABLE = "KVCONFORM_TENSOR_PARALLEL_SIZE"
 """The tensor-parallel size a run asks an adapter for: ranks per engine, each with its share of the KV heads. Set by
 `kvconform run --tensor-parallel-size` and pytest's `--kv-tensor-parallel-size` (`conformance.options`); unset is 1."""

@@ -577,8 +577,8 @@ def test_each_rank_moves_its_own_heads(connector_environment: None, monkeypatch:
 @needs_vllm
 def test_example_connector_ranks_overwrite_each_others_files(connector_environment: None) -> None:
     """vLLM 0.34.0's ExampleConnector names a saved file by its tokens and layer, not its rank
-    (example_connector.py:411-423 `_generate_filename_debug`): with two ranks, rank 1's save overwrites rank 0's and both
-    load rank 1's heads (KVC-DATA-1); with one rank the same program passes."""
+    (example_connector.py:411-423 `_generate_filename_debug`): with two ranks, rank 1's save overwrites rank 0's and
+    both load rank 1's heads (KVC-DATA-1); with one rank the same program passes."""
     program = save_and_load_program()
     assert replay(Session(ranked_adapter("ExampleConnector", 1)), program).violation is None
     violation = replay(Session(ranked_adapter("ExampleConnector", 2)), program).violation
@@ -603,7 +603,8 @@ def test_parallel_state_answers_the_rank_that_runs(monkeypatch: pytest.MonkeyPat
         assert parallel_state.get_tensor_model_parallel_world_size() == 2
         with pytest.raises(runtime.NeedsProcessGroup, match="--tensor-parallel-size 1"):
             importer.get_tp_group()  # type: ignore[attr-defined]
-    assert importer.get_tensor_model_parallel_rank is parallel_state.get_tensor_model_parallel_rank  # type: ignore
+    restored = importer.get_tensor_model_parallel_rank  # type: ignore[attr-defined]
+    assert restored is parallel_state.get_tensor_model_parallel_rank
 
 
 @pytest.mark.parametrize("arguments, size, message", [

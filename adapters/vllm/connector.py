@@ -55,7 +55,8 @@ SEAMS: dict[str, Callable[[VllmAdapter], TransferSeam]] = {"OffloadingConnector"
 
 NEEDS_PROCESS_GROUP = {"LMCacheConnectorV1": "lmcache_integration/vllm_v1_adapter.py:544 calls get_tp_group()"}
 """Connectors whose worker side asks for a real tensor-parallel process group, by factory name: refused past one rank
-before the run starts. Any other connector that asks for it fails at its start, saying so (`runtime.NeedsProcessGroup`)."""
+before the run starts. Any other connector that asks for it fails at its start, saying so
+(`runtime.NeedsProcessGroup`)."""
 
 
 class VllmConnectorAdapter(VllmAdapter):

@@ -27,7 +27,7 @@ import torch
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.vllm import runtime
-from kvconform.adapters.vllm.transfers import KVTensors, RankedKV, RankedTransfers
+from kvconform.adapters.vllm.transfers import RankedKV, RankedTransfers
 from kvconform.common import kv_content
 from kvconform.common.values import (
     EngineConfig,

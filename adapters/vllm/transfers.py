@@ -68,7 +68,7 @@ class KVTensors:
         return self.gpu.view(-1, self.gpu.shape[2])[self.slots(gpu_blocks, 0, num_tokens)]
 
     def read_store(self, first_row: int, num_rows: int) -> torch.Tensor:
-        """Return this rank's columns `[num_rows * block_size, width]` of the rows the store holds from `first_row` on."""
+        """Return this rank's columns `[num_rows * block_size, width]` of the store's rows from `first_row` on."""
         return self.cpu[first_row : first_row + num_rows].reshape(-1, self.cpu.shape[2]).clone()
 
     def copy(self, copy: Copy) -> None:
