@@ -300,7 +300,8 @@ def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: fl
         run = options.prepare(adapter_spec, call_timeout=call_timeout, known_failures_path=known_failures_path)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
-    given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest}
+    given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest,
+             "tensor-parallel size": tensor_parallel_size}
     click.echo(f"kvconform: adapter {adapter_spec} {run.implementation_version}, "
                + "".join(f"{name} {value}, " for name, value in given.items() if value is not None)
                + f"call timeout {call_timeout:g}s", err=True)
