@@ -219,8 +219,8 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         table = Table()
         for column in ("clause", "requirement", "level", "verdict", "exercised"):
             table.add_column(column)
-        style = {"pass": "green", "fail": "bold red", "not exercised": "yellow", "known failure": "magenta",
-                 "model-only": "dim"}
+        style = {"pass": "green", "fail": "bold red", "not exercised": "yellow", "not applicable": "dim",
+                 "known failure": "magenta", "model-only": "dim"}
         for clause in rows:
             table.add_row(clause.id, clause.requirement, clause.spec_level or "every",
                           f"[{style[clause.verdict]}]{clause.verdict}[/]", str(clause.exercised))
@@ -234,10 +234,10 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print("known failures met: " + ", ".join(f"{name} x{count}"
                                                          for name, count in run_report.known_failures_met.items()),
                       highlight=False)
-    ruled_out = report.not_applicable(run_report.capabilities, run_report.levels)
+    ruled_out = [clause.id for clause in run_report.clauses if clause.verdict == "not applicable"]
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}"
-                  + (f"; not applicable: {', '.join(sorted(ruled_out))}" if ruled_out else ""), highlight=False)
+                  + (f"; not applicable: {', '.join(ruled_out)}" if ruled_out else ""), highlight=False)
     if run_report.outcome == "ok":
         console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.statistics.steps} steps judged"
                       + (f", {run_report.statistics.steps_after_known_failure} of them after a known failure"
