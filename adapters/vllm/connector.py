@@ -24,14 +24,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvconform.adapters.registry import AdapterNotFound
+from kvconform.adapters.registry import AdapterNotFound, on_path_from_current_directory
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
 from kvconform.adapters.vllm.lmcache import LMCacheSeam
 from kvconform.adapters.vllm.offloading import OffloadingSeam
@@ -139,8 +138,7 @@ class VllmConnectorAdapter(VllmAdapter):
 def _find_module(module: str) -> None:
     """Make `module` importable from the current directory, as `python -m` would, and refuse it before vLLM's slow
     import when it is not there."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    on_path_from_current_directory()
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package missing, or a relative name
