@@ -44,6 +44,9 @@ class EngineConfig(_Frozen):
                                                                 "without it, it is admitted afresh (LIFE-LOAD-3)")
     restart_offers_on_lookup: bool = Field(False, description="each lookup of a request makes it offer its blocks "
                                                               "from the first one again (OFF-STORE-7)")
+    arc_t1_fallback: bool = Field(False, description="with the arc policy, take a T1 victim where T1 is under its "
+                                                     "target and T2 has none, rather than refuse the store "
+                                                     "(OFF-ARC-4)")
 
     def __repr__(self) -> str:
         return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in self.model_dump().items())})"
@@ -193,7 +196,7 @@ is judged at both. `disaggregated` (chapter 09, P/D connectors) is tested on the
 of two engines exists yet, and no adapter reports it."""
 
 VARIANTS = ("offer_at_finish", "flush_on_hit", "flush_all_on_preemption", "lookup_after_failed_load",
-            "local_hit_after_failed_load", "restart_offers_on_lookup")
+            "local_hit_after_failed_load", "restart_offers_on_lookup", "arc_t1_fallback")
 """EngineConfig fields that name a behaviour of the connector and the store that releases of one implementation
 differ in: the capability of the same name lists the values an implementation has, and the reference follows the
 value the config carries. A choice of the scheduler is no variant: the judge follows the schedule it observes."""
@@ -224,6 +227,9 @@ class Capabilities(_Frozen):
     restart_offers_on_lookup: tuple[bool, ...] = Field((False,), description="whether each lookup of a request makes "
                                                                                "it offer its blocks from the first one "
                                                                                "again (OFF-STORE-7)")
+    arc_t1_fallback: tuple[bool, ...] = Field((False,), description="whether the arc policy takes a T1 victim where T1 "
+                                                                      "is under its target and T2 has none "
+                                                                      "(OFF-ARC-4)")
     harness_completes_transfers: bool = Field(True, description="transfers finish when the harness completes "
                                                                  "them (a seam holds them), so the adapter is "
                                                                  "deterministic; False for a connector on its own "
