@@ -112,6 +112,8 @@ class PairTrace:
     """Consumer requests whose receive the consumer has reported finished (PD-ONCE-1)."""
     loaded: set[str] = field(default_factory=set)
     """Consumer requests whose read was reported successful: their bytes are the producer's (PD-DATA-1)."""
+    preempted: set[str] = field(default_factory=set)
+    """Requests preempted and not scheduled since: they hold no KV."""
     answered: set[str] = field(default_factory=set)
     """Consumer requests sent with params whose first answer was judged (PD-LOAD-1, PD-PARAMS-2): a later one, after a
     preemption, is the connector's to give as it likes (vLLM NIXL clears `do_remote_prefill` once it planned the
@@ -152,6 +154,10 @@ class DisaggregatedJudge(ConnectorJudge):
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
         self.pair.aborted.add(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        super().preempt(request_id)
+        self.pair.preempted.add(request_id)
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         """The harness fails the consumer's reads in flight: each must be reported failed (PD-FAIL-1)."""
@@ -201,6 +207,7 @@ class DisaggregatedJudge(ConnectorJudge):
     def follow_pair(self, observation: StepObservation, producer: EngineStep, consumer: EngineStep) -> None:
         """Advance the pair's state past a judged step (the connector level's trace has already moved on)."""
         pair, step, now = self.pair, self.trace.steps, time.monotonic()
+        pair.preempted = (pair.preempted | set(observation.preempted)) - set(observation.scheduled_tokens)
         for request_id, blocks in producer.held.items():
             if request_id not in pair.holds and request_id in producer.params:
                 pair.holds[request_id] = Hold(step, now, tuple(blocks))
@@ -311,6 +318,8 @@ def check_returned_params(judge: DisaggregatedJudge, observation: StepObservatio
     """A producer request that finished normally delays its free and returns params naming the producer, itself,
     exactly the blocks it holds, and the tensor-parallel size."""
     for request_id in sorted(set(observation.finished) & judge.pair.producer - judge.pair.aborted):
+        if request_id in judge.pair.preempted and request_id not in observation.scheduled_tokens:
+            continue  # preempted, its output still in flight: it finished holding no KV to hand over
         judge.exercise("PD-PARAMS-1")
         params = producer.params.get(request_id)
         held = producer.held.get(request_id)
@@ -414,6 +423,11 @@ def check_hold_ends(judge: DisaggregatedJudge, observation: StepObservation, pro
     capabilities = judge.execution.capabilities
     for request_id, hold in judge.pair.holds.items():
         if request_id in producer.finished_sending:
+            read = hold.read_at is not None or any(
+                params.get("remote_request_id") == request_id for decode, params in judge.pair.decodes.items()
+                if decode in consumer.finished_recving and decode not in consumer.failed_recving)
+            if read:
+                judge.exercise("PD-NOTIFY-1")
             continue
         if hold.read_at is not None:
             judge.exercise("PD-NOTIFY-1")

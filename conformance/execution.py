@@ -111,6 +111,9 @@ class Session:
     """Builds the reference engine the offloading level follows the adapter with: the spec's model."""
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     """Seconds a drain waits for a connector on its own clock to go idle (`DEFAULT_DRAIN_TIMEOUT`)."""
+    tensor_parallel_size: int | None = None
+    """The ranks per engine a pair's run starts with (`--tensor-parallel-size`); None: drawn from those the adapter
+    runs (PD-TP-1)."""
     coverage: dict[str, int] = field(default_factory=dict)
     exercise: exercise.Table = field(default_factory=dict)
     """How often the run drew each situation, per scheduling mode (`exercise.SITUATIONS`, CONF-CAP-1)."""

@@ -7,6 +7,8 @@ calls run so far are the example's program, which the shrinker edits when it fai
 
 from __future__ import annotations
 
+import time
+
 import hypothesis.strategies as st
 from hypothesis import reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -299,7 +301,86 @@ class ConnectorStateMachine(RuleBasedStateMachine):
             self.run.close()
 
 
+MALFORMED_FORWARDS = st.sampled_from((
+    {"do_remote_prefill": None}, {"remote_block_ids": None}, {"remote_engine_id": None},
+    {"remote_engine_id": "no-such-engine"}, {"remote_request_id": "no-such-request"}, {"remote_block_ids": [1]}))
+"""Params a proxy may forward wrong: a field missing (PD-PARAMS-2), or naming an engine, request or blocks the producer
+does not hold (PD-FAIL-1)."""
+
+
+class PairStateMachine(ConnectorStateMachine):
+    """Draws programs for a producer/consumer pair (chapter `disaggregated`): the rules of one engine, whose
+    `add_request` goes to the consumer, plus P/D requests in rules of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefills: list[str] = []
+        self.decoded: set[str] = set()
+
+    @initialize(data=st.data())
+    def start(self, data: st.DataObject) -> None:
+        """Start the pair at the run's tensor-parallel size, or one drawn from those the adapter runs (PD-TP-1)."""
+        self.session.statistics.examples += 1
+        if self.session.on_example is not None:
+            self.session.on_example()
+        capabilities = self.run.begin()
+        config = data.draw(engine_configs(capabilities, self.session.scheduling), label="config")
+        size = self.session.tensor_parallel_size
+        if size is None:
+            size = data.draw(st.sampled_from(sorted(capabilities.tensor_parallel_sizes)), label="tensor_parallel_size")
+        self.apply("start", config.model_copy(update={"tensor_parallel_size": size}))
+
+    @precondition(lambda self: self.live_requests() < MAX_LIVE_REQUESTS)
+    @rule(data=st.data())
+    def prefill(self, data: st.DataObject) -> None:
+        """Send a new prompt to the producer, as a P/D proxy does: one token to generate, its KV for the consumer."""
+        spec = data.draw(new_requests(f"r{len(self.run.requests)}"), label="request")
+        self.added_since_drain += 1
+        self.prefills.append(spec.request_id)
+        self.apply("prefill", spec.model_copy(update={"max_tokens": 1, "skip_reading_prefix_cache": False}))
+
+    def undecoded(self) -> list[str]:
+        """Return the prefills not decoded yet: those that returned their params, where the harness completes
+        transfers; on the connector's clock, every one (the decode rule waits for its params)."""
+        waiting = [request_id for request_id in self.prefills if request_id not in self.decoded]
+        return waiting if self.on_own_clock else [r for r in waiting if r in self.run.returned_params]
+
+    @precondition(lambda self: self.undecoded() and self.live_requests() < MAX_LIVE_REQUESTS)
+    @rule(data=st.data(), malformed=SOMETIMES)
+    def decode(self, data: st.DataObject, malformed: bool) -> None:
+        """Forward a finished prefill's params to the consumer with its prompt, sometimes malformed (PD-PARAMS-2,
+        PD-FAIL-1); on the connector's clock, first step the pair until the prefill returned them, within the drain
+        deadline."""
+        prefill_id = self.pick(data, self.undecoded())
+        if prefill_id is None:
+            return
+        override = data.draw(MALFORMED_FORWARDS, label="malformed") if malformed else None
+        deadline = time.monotonic() + self.session.drain_timeout
+        while prefill_id not in self.run.returned_params and time.monotonic() < deadline:
+            self.apply("step")
+        if prefill_id not in self.run.returned_params:
+            return
+        self.decoded.add(prefill_id)
+        before = self.run.requests[prefill_id]
+        spec = RequestSpec(request_id=f"r{len(self.run.requests)}", prompt=before.prompt,
+                           max_tokens=data.draw(MAX_TOKENS, label="max_tokens"), cache_salt=before.cache_salt,
+                           lora_name=before.lora_name)
+        self.added_since_drain += 1
+        self.apply("decode", spec, prefill_id, *([override] if override is not None else []))
+
+
 def machine_for(session: Session) -> type[ConnectorStateMachine]:
-    """Return a state-machine class that runs the examples of `session`."""
+    """Return a state-machine class that runs the examples of `session`: a pair's, for an adapter of the disaggregated
+    level (its own rules leave every other adapter's draws as they were)."""
     name = getattr(session.adapter_factory, "__name__", "Adapter")
-    return type(f"ConnectorStateMachine_{name}", (ConnectorStateMachine,), {"session": session})
+    base = PairStateMachine if "disaggregated" in probe_levels(session) else ConnectorStateMachine
+    return type(f"{base.__name__}_{name}", (base,), {"session": session})
+
+
+def probe_levels(session: Session) -> tuple[str, ...]:
+    """Return the levels the adapter reports, from one adapter built for the purpose; none where that fails: the run's
+    first execution then reports the failure under its clause (CONF-CAP-1)."""
+    try:
+        return tuple(session.adapter_factory().capabilities().levels)
+    except Exception:  # the executions report it, with the clause it breaks
+        return ()

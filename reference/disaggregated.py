@@ -9,7 +9,8 @@ producer's blocks and notifies it; the producer frees its blocks on the notifica
 
 Each engine has `world_size` ranks (tensor parallelism): rank r holds and moves only its share of the KV
 heads, the columns `heads(r)` of a token's KV row, and reports its own finished ids; the engine sees a request
-finished only once every rank reported it, as vLLM's `KVOutputAggregator` counts (`Aggregator`). Time is the
+finished only once every rank reported it, as vLLM's `KVOutputAggregator` counts (`Aggregator`). The consumer's
+rank r reports its reads r steps after rank 0, as ranks on their own threads do, so that the count matters. Time is the
 producer's steps, so the pair is deterministic: transfers complete when the harness completes them.
 """
 
@@ -109,6 +110,8 @@ class ProducerConnector:
         self.clock = 0
         self.held: dict[str, Held] = {}
         self.aggregator = Aggregator(world_size)
+        self.rank_outputs: list[RankOutput] = []
+        """Each rank's report of the latest step, before aggregation."""
         transport.register(self)
 
     def request_finished(self, request_id: str, block_ids: list[int], params: dict[str, Any] | None,
@@ -138,6 +141,7 @@ class ProducerConnector:
                     output.finished_sending.add(request_id)
             if expired or len(held.notified) == self.world_size:
                 del self.held[request_id]
+        self.rank_outputs = outputs
         return self.aggregator.aggregate(outputs)
 
     def read(self, request_id: str, block_ids: Sequence[int], columns: slice) -> torch.Tensor | None:
@@ -166,7 +170,11 @@ class ConsumerConnector:
         self.pending: dict[str, Load] = {}
         self.in_flight: dict[str, Load] = {}
         self.completed: list[RankOutput] = [RankOutput() for _ in range(world_size)]
+        self.lagging: list[list[RankOutput]] = [[RankOutput() for _ in range(rank)] for rank in range(world_size)]
+        """Per rank, the reports it has made and not yet delivered: rank r's reach `get_finished` r calls late."""
         self.aggregator = Aggregator(world_size)
+        self.rank_outputs: list[RankOutput] = []
+        """Each rank's report delivered by the latest `get_finished`, before aggregation."""
 
     @staticmethod
     def valid(params: dict[str, Any] | None) -> bool:
@@ -211,9 +219,18 @@ class ConsumerConnector:
         self.in_flight = {}
 
     def get_finished(self) -> RankOutput:
-        """Return the receives every rank has reported since the last call (PD-ONCE-1, PD-TP-1)."""
-        outputs, self.completed = self.completed, [RankOutput() for _ in range(self.world_size)]
-        return self.aggregator.aggregate(outputs)
+        """Return the receives every rank has reported since the last call, rank r's delivered r calls late
+        (PD-ONCE-1, PD-TP-1)."""
+        for rank, output in enumerate(self.completed):
+            self.lagging[rank].append(output)
+        self.completed = [RankOutput() for _ in range(self.world_size)]
+        self.rank_outputs = [reports.pop(0) for reports in self.lagging]
+        return self.aggregator.aggregate(self.rank_outputs)
+
+    def reports_pending(self) -> bool:
+        """Return True while a rank has a report not yet delivered."""
+        return any(output.finished_recving or output.failed_recving
+                   for reports in (self.completed, *self.lagging) for output in reports)
 
     def abort(self, request_id: str) -> None:
         """Drop a planned read that has not started; one in flight still completes and is reported (PD-ABORT-1)."""
