@@ -101,9 +101,11 @@ class PairTrace:
     hold, or a load the harness failed (PD-FAIL-1)."""
     holds: dict[str, Hold] = field(default_factory=dict)
     released_unread: dict[str, int] = field(default_factory=dict)
-    """Holds ended before any consumer reported their read or their lease ended -> the step (PD-HOLD-1)."""
+    """Holds ended before any consumer rank reported their read or their lease ended -> the step (PD-HOLD-1)."""
+    released: set[str] = field(default_factory=set)
+    """Producer requests whose hold has ended."""
     reads: dict[str, int] = field(default_factory=dict)
-    """Producer requests -> the step a consumer's read of them was reported by every rank, successful."""
+    """Producer requests -> the step a consumer rank first reported a successful read of them."""
     ranks_seen: dict[tuple[str, str, str], set[int]] = field(default_factory=dict)
     """(engine, sending|recving, request) -> the ranks that reported it since the engine last saw it finished."""
     rank_failed: set[tuple[str, str]] = field(default_factory=set)
@@ -212,6 +214,7 @@ class DisaggregatedJudge(ConnectorJudge):
             if request_id not in pair.holds and request_id in producer.params:
                 pair.holds[request_id] = Hold(step, now, tuple(blocks))
         for request_id in producer.finished_sending:
+            pair.released.add(request_id)
             hold = pair.holds.pop(request_id, None)
             if hold is not None and hold.read_at is None and not self.lease_over(hold):
                 pair.released_unread[request_id] = step
@@ -223,6 +226,13 @@ class DisaggregatedJudge(ConnectorJudge):
                 pair.reads.setdefault(remote, step)
                 if remote in pair.holds and pair.holds[remote].read_at is None:
                     pair.holds[remote].read_at = (step, now)
+                elif remote in pair.released_unread or remote in pair.released:
+                    self.exercise("PD-NOTIFY-1")  # the notifications ended the hold before every rank's report came
+        for report in consumer.ranks:  # a read any rank reported: the producer may have its notification already
+            for request_id in set(report.finished_recving) - set(report.failed_recving):
+                params = pair.decodes.get(request_id)
+                if params is not None and valid_params(params):
+                    pair.reads.setdefault(params["remote_request_id"], step)
         pair.received |= set(consumer.finished_recving)
         pair.loaded -= set(observation.finished)
 
@@ -239,6 +249,24 @@ def _fault(clause: str, message: str) -> ClauseViolation:
 
 
 # --- each step: ranks, params, holds, reads ---------------------------------------------------------------
+
+
+@check("PD-ONCE-1", kind="disaggregated")
+def check_reported_once(judge: DisaggregatedJudge, observation: StepObservation, producer: EngineStep,
+                        consumer: EngineStep) -> None:
+    """The consumer reports each receive finished once, for a read it started; the producer ends each hold once."""
+    pair = judge.pair
+    for request_id in consumer.finished_recving:
+        judge.exercise("PD-ONCE-1")
+        if request_id in pair.received:
+            raise _fault("PD-ONCE-1", f"the consumer reported the receive of {request_id!r} finished again")
+        if request_id not in pair.decodes:
+            raise _fault("PD-ONCE-1", f"the consumer reported a receive of {request_id!r}, which was sent no params")
+    for request_id in producer.finished_sending:
+        judge.exercise("PD-ONCE-1")
+        if request_id not in pair.holds:
+            raise _fault("PD-ONCE-1", f"the producer ended the hold of {request_id!r}, which it did not hold "
+                                      "(ended twice, or never delayed)")
 
 
 @check("PD-TP-1", kind="disaggregated")
@@ -279,24 +307,6 @@ def check_rank_aggregation(judge: DisaggregatedJudge, observation: StepObservati
             raise _fault("PD-TP-1", f"a rank of the {name} reported the receive of {lost} failed, but the engine saw "
                                     "it finished without the failure")
         judge.pair.rank_failed -= {(name, request_id) for request_id in engine.finished_recving}
-
-
-@check("PD-ONCE-1", kind="disaggregated")
-def check_reported_once(judge: DisaggregatedJudge, observation: StepObservation, producer: EngineStep,
-                        consumer: EngineStep) -> None:
-    """The consumer reports each receive finished once, for a read it started; the producer ends each hold once."""
-    pair = judge.pair
-    for request_id in consumer.finished_recving:
-        judge.exercise("PD-ONCE-1")
-        if request_id in pair.received:
-            raise _fault("PD-ONCE-1", f"the consumer reported the receive of {request_id!r} finished again")
-        if request_id not in pair.decodes:
-            raise _fault("PD-ONCE-1", f"the consumer reported a receive of {request_id!r}, which was sent no params")
-    for request_id in producer.finished_sending:
-        judge.exercise("PD-ONCE-1")
-        if request_id not in pair.holds:
-            raise _fault("PD-ONCE-1", f"the producer ended the hold of {request_id!r}, which it did not hold "
-                                      "(ended twice, or never delayed)")
 
 
 @check("PD-ABORT-1", kind="disaggregated")
@@ -407,9 +417,11 @@ def check_holds(judge: DisaggregatedJudge, observation: StepObservation, produce
     freed = sorted(set(observation.freed) & pair.holds.keys() - set(producer.finished_sending))
     if freed:
         raise _fault("PD-HOLD-1", f"the producer freed the held blocks of {freed} before their hold ended")
+    read_now = {params.get("remote_request_id") for decode, params in pair.decodes.items()
+                if any(decode in report.finished_recving and decode not in report.failed_recving
+                       for report in consumer.ranks)}
     for request_id, step in list(pair.released_unread.items()):
-        if request_id in pair.reads or set(consumer.finished_recving) & {
-                d for d, params in pair.decodes.items() if params.get("remote_request_id") == request_id}:
+        if request_id in pair.reads or request_id in read_now:
             del pair.released_unread[request_id]
         elif judge.trace.steps + 1 - step > 1:
             raise _fault("PD-HOLD-1", f"the producer ended the hold of {request_id!r} in step {step}, neither read by "

@@ -14,7 +14,7 @@ from hypothesis import reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvconform.common.values import VARIANTS, Capabilities, EngineConfig, RequestSpec, TransferOutcome
-from kvconform.conformance.execution import Diverged, Execution, Scheduling, Session
+from kvconform.conformance.execution import DRAIN_STEP_LIMIT, Diverged, Execution, Scheduling, Session
 from kvconform.conformance.operations import Call
 
 BASE_PROMPTS = tuple(tuple((seed * 5 + i * (seed + 2)) % 4 for i in range(48)) for seed in range(3))
@@ -331,13 +331,16 @@ class PairStateMachine(ConnectorStateMachine):
         self.apply("start", config.model_copy(update={"tensor_parallel_size": size}))
 
     @precondition(lambda self: self.live_requests() < MAX_LIVE_REQUESTS)
-    @rule(data=st.data())
-    def prefill(self, data: st.DataObject) -> None:
-        """Send a new prompt to the producer, as a P/D proxy does: one token to generate, its KV for the consumer."""
+    @rule(data=st.data(), hand_over=st.booleans())
+    def prefill(self, data: st.DataObject, hand_over: bool) -> None:
+        """Send a new prompt to the producer, as a P/D proxy does: one token to generate, its KV for the consumer; with
+        `hand_over`, forward its params to the consumer as soon as they return, as the proxy then does."""
         spec = data.draw(new_requests(f"r{len(self.run.requests)}"), label="request")
         self.added_since_drain += 1
         self.prefills.append(spec.request_id)
         self.apply("prefill", spec.model_copy(update={"max_tokens": 1, "skip_reading_prefix_cache": False}))
+        if hand_over and self.live_requests() < MAX_LIVE_REQUESTS:
+            self.forward(data, spec.request_id, None)
 
     def undecoded(self) -> list[str]:
         """Return the prefills not decoded yet: those that returned their params, where the harness completes
@@ -352,12 +355,17 @@ class PairStateMachine(ConnectorStateMachine):
         PD-FAIL-1); on the connector's clock, first step the pair until the prefill returned them, within the drain
         deadline."""
         prefill_id = self.pick(data, self.undecoded())
-        if prefill_id is None:
-            return
-        override = data.draw(MALFORMED_FORWARDS, label="malformed") if malformed else None
-        deadline = time.monotonic() + self.session.drain_timeout
-        while prefill_id not in self.run.returned_params and time.monotonic() < deadline:
+        if prefill_id is not None:
+            self.forward(data, prefill_id, data.draw(MALFORMED_FORWARDS, label="malformed") if malformed else None)
+
+    def forward(self, data: st.DataObject, prefill_id: str, override: dict[str, object] | None) -> None:
+        """Step the pair until the prefill returned its params, within the drain deadline (on a harness clock, within
+        the drain's steps), then send its prompt to the consumer with them, `override`'s fields in place."""
+        deadline, steps = time.monotonic() + self.session.drain_timeout, 0
+        while prefill_id not in self.run.returned_params and time.monotonic() < deadline and (
+                self.on_own_clock or steps < DRAIN_STEP_LIMIT) and (self.on_own_clock or self.run.state.busy()):
             self.apply("step")
+            steps += 1
         if prefill_id not in self.run.returned_params:
             return
         self.decoded.add(prefill_id)

@@ -24,7 +24,7 @@ import torch
 
 from kvconform.reference.errors import InvalidCall
 
-LEASE_STEPS = 8
+LEASE_STEPS = 16
 """Producer steps a delayed free waits for the consumer's notification before the lease ends it."""
 
 REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids")
@@ -98,6 +98,8 @@ class Held:
     expires: int
     notified: set[int] = field(default_factory=set)
     """Consumer ranks that notified their read."""
+    reported: set[int] = field(default_factory=set)
+    """Producer ranks that reported the hold ended: each reports it once (PD-TP-1)."""
 
 
 class ProducerConnector:
@@ -137,7 +139,8 @@ class ProducerConnector:
         for request_id, held in list(self.held.items()):
             expired = self.clock >= held.expires
             for rank, output in enumerate(outputs):
-                if expired or rank in held.notified:
+                if (expired or rank in held.notified) and rank not in held.reported:
+                    held.reported.add(rank)
                     output.finished_sending.add(request_id)
             if expired or len(held.notified) == self.world_size:
                 del self.held[request_id]
@@ -201,19 +204,23 @@ class ConsumerConnector:
         self.in_flight.update(self.pending)
         self.pending = {}
 
+    def read_columns(self, rank: int) -> slice:
+        """Return the columns of the producer's KV rows that rank `rank` reads: its own heads (PD-TP-1)."""
+        return heads(rank, self.world_size, self.gpu.shape[2])
+
     def complete_transfers(self, fail: bool) -> None:
         """Complete every read in flight: each rank copies its own heads and notifies the producer; a read of an
-        unknown engine, of blocks not held, or one failed on purpose is reported failed (PD-FAIL-1, PD-TP-1)."""
+        unknown engine, of blocks not held, or one failed on purpose — in transit on rank 0, the ranks after it
+        completing theirs — is reported failed (PD-FAIL-1, PD-TP-1)."""
         for request_id, load in sorted(self.in_flight.items()):
             producer = self.transport.producers.get(load.params["remote_engine_id"])
             for rank, output in enumerate(self.completed):
-                columns = heads(rank, self.world_size, self.gpu.shape[2])
-                rows = None if producer is None or fail else producer.read(
-                    load.params["remote_request_id"], load.remote_block_ids, columns)
+                rows = None if producer is None or (fail and rank == 0) else producer.read(
+                    load.params["remote_request_id"], load.remote_block_ids, self.read_columns(rank))
                 if producer is None or rows is None:
                     output.failed_recving.add(request_id)
                 else:
-                    self.gpu[load.local_block_ids, :, columns] = rows
+                    self.gpu[load.local_block_ids, :, heads(rank, self.world_size, self.gpu.shape[2])] = rows
                     self.transport.notifications[producer.engine_id].append((load.params["remote_request_id"], rank))
                 output.finished_recving.add(request_id)
         self.in_flight = {}
