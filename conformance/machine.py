@@ -331,16 +331,21 @@ class PairStateMachine(ConnectorStateMachine):
         self.apply("start", config.model_copy(update={"tensor_parallel_size": size}))
 
     @precondition(lambda self: self.live_requests() < MAX_LIVE_REQUESTS)
-    @rule(data=st.data(), hand_over=st.booleans())
-    def prefill(self, data: st.DataObject, hand_over: bool) -> None:
-        """Send a new prompt to the producer, as a P/D proxy does: one token to generate, its KV for the consumer; with
-        `hand_over`, forward its params to the consumer as soon as they return, as the proxy then does."""
+    @rule(data=st.data(), then=st.sampled_from(("wait", "hand_over", "abort")))
+    def prefill(self, data: st.DataObject, then: str) -> None:
+        """Send a new prompt to the producer, as a P/D proxy does: one token to generate, its KV for the consumer; then
+        forward its params to the consumer as soon as they return (`hand_over`), as the proxy then does, or abort it
+        after a step, while its prefill may be in flight (`abort`, PD-ABORT-1)."""
         spec = data.draw(new_requests(f"r{len(self.run.requests)}"), label="request")
         self.added_since_drain += 1
         self.prefills.append(spec.request_id)
         self.apply("prefill", spec.model_copy(update={"max_tokens": 1, "skip_reading_prefix_cache": False}))
-        if hand_over and self.live_requests() < MAX_LIVE_REQUESTS:
+        if then == "hand_over" and self.live_requests() < MAX_LIVE_REQUESTS:
             self.forward(data, spec.request_id, None)
+        elif then == "abort" and self.run.capabilities.abort:
+            self.apply("step")
+            if spec.request_id in self.run.state.unfinished():
+                self.apply("abort", spec.request_id)
 
     def undecoded(self) -> list[str]:
         """Return the prefills not decoded yet: those that returned their params, where the harness completes

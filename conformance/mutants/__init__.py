@@ -766,6 +766,6 @@ MUTANTS = {
     "pd-rank-reads-other-heads": pair_row(pd.ReadsOtherRankHeadsConsumer, "#32375, #23917", "PD-TP-1"),
     "pd-reads-wrong-blocks": pair_row(pd.ReadsWrongBlocksConsumer, "#28951 (on the P/D read)", "PD-DATA-1"),
     "pd-aggregates-one-rank": pair_row(pd.OneRankConsumer, "#19330", "PD-TP-1"),
-    "pd-failed-read-lost-in-aggregation": pair_row(pd.ForgetsFailureConsumer, "#52232", "PD-TP-1"),
+    "pd-failed-read-lost-in-aggregation": pair_row(pd.ForgetsFailureConsumer, "#52232", "PD-TP-1", "PD-FAIL-1"),
 }
 """Mutant name → catalogue row: first the vLLM bug catalogue of the design notes, then contract and integrity faults."""

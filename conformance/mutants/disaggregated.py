@@ -132,10 +132,10 @@ class FailureReportedAsSuccessConsumer(ConsumerConnector):
     """A failed read reported as a finished receive without its failure: the request decodes on KV it never got
     (vLLM PR #52232: a failed HMA receive reported finished without any failure signal)."""
 
-    def get_finished(self) -> RankOutput:
-        done = super().get_finished()
-        done.failed_recving = set()
-        return done
+    def complete_transfers(self, fail: bool) -> None:
+        super().complete_transfers(fail)
+        for output in self.completed:
+            output.failed_recving.clear()
 
 
 class ReadsOtherRankHeadsConsumer(ConsumerConnector):
