@@ -321,6 +321,9 @@ class Execution:
 
     def _decode(self, spec: RequestSpec, prefill_id: str, override: dict[str, Any] | None = None) -> None:
         """Forward what request `prefill_id` returned, `override`'s fields in place, to the consumer (PD-PARAMS-2)."""
+        if prefill_id not in self.requests:
+            raise InvalidCall("PD-PARAMS-2", f"decode({spec.request_id!r}) forwards the params of {prefill_id!r}, "
+                                             "which no prefill sent to the producer")
         params = forwarded_params(self.returned_params.get(prefill_id), override)
         self.requests[spec.request_id] = spec
         for judge in self.judges:

@@ -19,11 +19,9 @@ import torch
 
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
-from kvconform.adapters.reference_pd import ReferencePDAdapter
 from kvconform.common.values import Capabilities, EngineConfig, SpecLevel
 from kvconform.conformance.mutants import disaggregated as pd
 from kvconform.reference.connector import NO_DEVIATIONS, OffloadConnectorScheduler, OffloadConnectorWorker
-from kvconform.reference.disaggregated import ConsumerConnector, ProducerConnector
 from kvconform.reference.engine import Engine, OwnPolicy
 from kvconform.reference.hashing import block_hashes
 from kvconform.reference.kv_cache import BlockPool, KVCacheManager
@@ -644,8 +642,8 @@ class Mutant:
         """Return a reference adapter whose engine is built with this mutant's part instead of the reference's (or the
         part, if it is an adapter itself: a reference pair's, at the disaggregated level), reporting the spec levels
         of the row."""
-        if issubclass(self.part, ReferencePDAdapter):
-            return self.part
+        if "disaggregated" in self.levels:
+            return pd.pair_adapter(self.part)
         adapter = self.part if issubclass(self.part, ReferenceAdapter) else engine_adapter(self.part)
         return adapter if self.levels == Mutant.levels else black_box(adapter)
 
@@ -686,9 +684,7 @@ def black_box_row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
 
 def pair_row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
     """A row of the disaggregated level: a reference pair whose producer or consumer connector is `part`."""
-    producer = part if issubclass(part, ProducerConnector) else ProducerConnector
-    consumer = part if issubclass(part, ConsumerConnector) else ConsumerConnector
-    return Mutant(pd.pair_adapter(producer, consumer), vllm_ref, clauses, ("disaggregated",))
+    return Mutant(part, vllm_ref, clauses, ("disaggregated",))
 
 
 MUTANTS = {

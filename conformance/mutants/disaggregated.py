@@ -19,15 +19,15 @@ from kvconform.reference.disaggregated import (
 )
 
 
-def pair_adapter(producer: type[ProducerConnector] = ProducerConnector,
-                 consumer: type[ConsumerConnector] = ConsumerConnector, name: str = "") -> type[ReferencePDAdapter]:
-    """Return a reference-pd adapter, named after the mutant part, whose pair is built with it."""
+def pair_adapter(part: type) -> type[ReferencePDAdapter]:
+    """Return a reference-pd adapter, named after the mutant part, whose producer or consumer connector is it."""
+    producer = part if issubclass(part, ProducerConnector) else ProducerConnector
+    consumer = part if issubclass(part, ConsumerConnector) else ConsumerConnector
 
     def __init__(self: ReferencePDAdapter) -> None:
         ReferencePDAdapter.__init__(self, producer=producer, consumer=consumer)
 
-    part = producer if producer is not ProducerConnector else consumer
-    return type(name or f"{part.__name__}Adapter", (ReferencePDAdapter,), {"__init__": __init__})
+    return type(f"{part.__name__}Adapter", (ReferencePDAdapter,), {"__init__": __init__})
 
 
 # --- the producer ----------------------------------------------------------------------------------------
