@@ -99,6 +99,8 @@ class PairTrace:
     must_fail: set[str] = field(default_factory=set)
     """Consumer requests whose read must be reported failed: params naming an engine or blocks the producer does not
     hold, or a load the harness failed (PD-FAIL-1)."""
+    completed: set[str] = field(default_factory=set)
+    """Consumer requests whose read the harness completed, or failed, and which are not reported yet."""
     holds: dict[str, Hold] = field(default_factory=dict)
     released_unread: dict[str, int] = field(default_factory=dict)
     """Holds ended before any consumer rank reported their read or their lease ended -> the step (PD-HOLD-1)."""
@@ -162,9 +164,12 @@ class DisaggregatedJudge(ConnectorJudge):
         self.pair.preempted.add(request_id)
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
-        """The harness fails the consumer's reads in flight: each must be reported failed (PD-FAIL-1)."""
+        """The harness completes the consumer's reads in flight, or fails them: each failed one must be reported failed
+        (PD-FAIL-1); one completed before is no longer in flight."""
+        in_flight = self.trace.loading & self.pair.decodes.keys() - self.pair.completed
         if fail_loads:
-            self.pair.must_fail |= self.trace.loading & self.pair.decodes.keys()
+            self.pair.must_fail |= in_flight
+        self.pair.completed |= in_flight
 
     def step_observed(self, observation: StepObservation, completed_in_step: TransferOutcome | None) -> None:
         """Judge the pair's facts (P/D clauses), then the step at the connector level, then follow it."""
@@ -234,6 +239,7 @@ class DisaggregatedJudge(ConnectorJudge):
                 if params is not None and valid_params(params):
                     pair.reads.setdefault(params["remote_request_id"], step)
         pair.received |= set(consumer.finished_recving)
+        pair.completed -= set(consumer.finished_recving)
         pair.loaded -= set(observation.finished)
 
     def lease_over(self, hold: Hold, slack: float = 0.0) -> bool:

@@ -94,14 +94,11 @@ class ReportsReceiveTwiceConsumer(ConsumerConnector):
 
 
 class NeverReportsConsumer(ConsumerConnector):
-    """Reads, but no rank ever reports the receive finished: the request waits for remote KV forever (vLLM #35943,
-    Mooncake: D-side requests stuck in WAITING_FOR_REMOTE_KVS, their blocks never freed)."""
+    """Its reads never complete, so no rank ever reports them: the request waits for remote KV forever (vLLM #35943,
+    Mooncake: D-side requests stuck in WAITING_FOR_REMOTE_KVS on a failed transfer, their blocks never freed)."""
 
     def complete_transfers(self, fail: bool) -> None:
-        super().complete_transfers(fail)
-        for output in self.completed:
-            output.finished_recving.clear()
-            output.failed_recving.clear()
+        """Leave every read in flight."""
 
 
 class LosesNotificationConsumer(ConsumerConnector):
