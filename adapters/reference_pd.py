@@ -221,7 +221,7 @@ class ReferencePDAdapter(KVConnectorAdapter):
                             worker=cast(Any, build_side))
             side = cast(PairSide, engine.worker)
             engine.connector = cast(Any, side)
-            side.engine_blocks = lambda request_id, engine=engine: list(engine.kv.blocks_of(request_id))
+            side.engine_blocks = engine.kv.blocks_of
             self.engines[role], self.sides[role], self.observers[role] = engine, side, Observer(engine)
 
     def engine_of(self, request_id: str) -> Engine:

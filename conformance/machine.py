@@ -301,7 +301,7 @@ class ConnectorStateMachine(RuleBasedStateMachine):
             self.run.close()
 
 
-MALFORMED_FORWARDS = st.sampled_from((
+MALFORMED_FORWARDS: st.SearchStrategy[dict[str, object]] = st.sampled_from((
     {"do_remote_prefill": None}, {"remote_block_ids": None}, {"remote_engine_id": None},
     {"remote_engine_id": "no-such-engine"}, {"remote_request_id": "no-such-request"}, {"remote_block_ids": [1]}))
 """Params a proxy may forward wrong: a field missing (PD-PARAMS-2), or naming an engine, request or blocks the producer

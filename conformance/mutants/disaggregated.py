@@ -83,14 +83,18 @@ class ReportsReceiveTwiceConsumer(ConsumerConnector):
     """Reports a finished receive again at the next step (vLLM PR #25067: a second report of a finished transfer
     reached the scheduler, `KeyError` in `_update_from_kv_xfer_finished`)."""
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.again: set[str] = set()
+
     def get_finished(self) -> RankOutput:
         done = super().get_finished()
-        again, self.again = getattr(self, "again", set()), set(done.finished_recving)
+        again, self.again = self.again, set(done.finished_recving)
         done.finished_recving |= again
         return done
 
     def reports_pending(self) -> bool:
-        return super().reports_pending() or bool(getattr(self, "again", set()))
+        return super().reports_pending() or bool(self.again)
 
 
 class NeverReportsConsumer(ConsumerConnector):
