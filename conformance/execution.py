@@ -3,11 +3,12 @@
 A program is a list of `Call`s: the adapter operations `start`, `add_request`, `step`, `complete_transfers`,
 `abort`, `preempt`, `reset_prefix_cache` (and, for a producer/consumer pair, `prefill` and `decode`), plus `drain`
 (complete transfers and step until the engine is idle, then check for leaks). The state machine draws programs,
-the shrinker edits them, and a counterexample is one. `Execution.apply` runs one call on the adapter and hands every operation and answer to one `Judge` per
-spec level, on the adapter's own schedule: the connector level from what crosses the connector API
-(`connector_level.py`), the offloading level against the reference engine stepped alongside, which schedules as
-the adapter did and so knows what the connector and the store must do (`offloading_level.py`), and a pair of engines
-on both their schedules, joined by the params the harness forwards (`disaggregated_level.py`).
+the shrinker edits them, and a counterexample is one. `Execution.apply` runs one call on the adapter and hands every
+operation and answer to one `Judge` per spec level, on the adapter's own schedule: the connector level from what
+crosses the connector API (`connector_level.py`), the offloading level against the reference engine stepped
+alongside, which schedules as the adapter did and so knows what the connector and the store must do
+(`offloading_level.py`), and a pair of engines on both their schedules, joined by the params the harness forwards
+(`disaggregated_level.py`).
 """
 
 from __future__ import annotations
