@@ -7,6 +7,7 @@ calls run so far are the example's program, which the shrinker edits when it fai
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import hypothesis.strategies as st
@@ -391,9 +392,19 @@ def machine_for(session: Session) -> type[ConnectorStateMachine]:
 
 
 def probe_levels(session: Session) -> tuple[str, ...]:
-    """Return the levels the adapter reports, from one adapter built for the purpose; none where that fails: the run's
-    first execution then reports the failure under its clause (CONF-CAP-1)."""
+    """Return the levels the adapter reports: as the session knows them, or from one adapter built for the purpose
+    and closed; none where that fails: the run's first execution then reports the failure under its clause
+    (CONF-CAP-1)."""
+    if session.capabilities is not None:
+        return tuple(session.capabilities.levels)
     try:
-        return tuple(session.adapter_factory().capabilities().levels)
+        adapter = session.adapter_factory()
     except Exception:  # the executions report it, with the clause it breaks
         return ()
+    try:
+        return tuple(adapter.capabilities().levels)
+    except Exception:
+        return ()
+    finally:
+        with contextlib.suppress(Exception):
+            adapter.close()

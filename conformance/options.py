@@ -173,7 +173,8 @@ def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard
                         call_timeout=options.call_timeout, scheduling=options.scheduling,
                         baseline=baseline.Baseline(list(options.known_entries), all_rare=shard.count > 1),
                         database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout,
-                        on_shrink=on_shrink, tensor_parallel_size=options.tensor_parallel_size)
+                        on_shrink=on_shrink, tensor_parallel_size=options.tensor_parallel_size,
+                        capabilities=options.capabilities)
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures,
                         behaviours=list(options.behaviours), known_failures_files=list(options.known_failures_files))
 
