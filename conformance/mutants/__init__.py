@@ -758,6 +758,7 @@ MUTANTS = {
     "pd-notification-lost": pair_row(pd.LosesNotificationConsumer, "#46283, #41269", "PD-NOTIFY-1"),
     "pd-malformed-params-accepted": pair_row(pd.AcceptsMalformedParamsConsumer, "NIXL scheduler contract",
                                              "PD-PARAMS-2"),
+    "pd-load-ignores-local-hit": pair_row(pd.IgnoresLocalHitConsumer, "#18632, #50558", "PD-LOAD-1"),
     "pd-failure-reported-as-success": pair_row(pd.FailureReportedAsSuccessConsumer, "#52232", "PD-FAIL-1"),
     "pd-rank-reads-other-heads": pair_row(pd.ReadsOtherRankHeadsConsumer, "#32375, #23917", "PD-TP-1"),
     "pd-reads-wrong-blocks": pair_row(pd.ReadsWrongBlocksConsumer, "#28951 (on the P/D read)", "PD-DATA-1"),

@@ -129,6 +129,17 @@ class AcceptsMalformedParamsConsumer(ConsumerConnector):
         super().complete_transfers(fail)
 
 
+class IgnoresLocalHitConsumer(ConsumerConnector):
+    """Answers the whole prompt as the remote load, its count not less the consumer's own prefix-cache hit (NIXL's
+    `len(prompt) - num_computed_tokens` without the hit; vLLM PR #18632, a
+    local prefix hit on D mishandled by NixlConnector; PR #50558, D's blocks and P's out of step under prefix
+    caching)."""
+
+    def get_num_new_matched_tokens(self, num_prompt_tokens: int, num_local: int, params: dict[str, Any] | None
+                                   ) -> tuple[int, bool]:
+        return super().get_num_new_matched_tokens(num_prompt_tokens, 0, params)
+
+
 class FailureReportedAsSuccessConsumer(ConsumerConnector):
     """A failed read reported as a finished receive without its failure: the request decodes on KV it never got
     (vLLM PR #52232: a failed HMA receive reported finished without any failure signal)."""
