@@ -4,8 +4,8 @@
 as `kvconform replay` reads them) that the mutant fails with exactly that clause while the reference passes
 it (the reference pair, for a mutant of the disaggregated level). The programs are counterexamples the kit itself
 found and shrank, or, for the pair's, programs of `test_disaggregated_level.PROGRAMS`; when a change of the
-reference moves one, find a new one with `kvconform run --adapter <the mutant's adapter> --profile dev --seed N --report r.json`
-and take the report's `program`. Observation faults (`faulty_adapters.FAULTS`) cover the clauses no
+reference moves one, find a new one with `kvconform run --adapter <the mutant's adapter> --profile dev --seed N
+--report r.json` and take the report's `program`. Observation faults (`faulty_adapters.FAULTS`) cover the clauses no
 implementation bug reaches first.
 """
 
