@@ -172,9 +172,8 @@ class DisaggregatedJudge(ConnectorJudge):
         self.pair.completed |= in_flight
 
     def step_observed(self, observation: StepObservation, completed_in_step: TransferOutcome | None) -> None:
-        """Judge the pair's facts (P/D clauses), then the step at the connector level, then follow it."""
-        if completed_in_step is not None and completed_in_step.fail_loads:
-            self.complete_transfers(True, False)
+        """Judge the pair's facts (P/D clauses), then the step at the connector level, then follow it; the reads the
+        step completed inside it, those it admitted too, are no longer in flight."""
         pair = observation.disaggregated
         if pair is None:
             raise ClauseViolation("CONF-OBS-1", "adapter.step(): an adapter of the disaggregated level must "
@@ -185,6 +184,8 @@ class DisaggregatedJudge(ConnectorJudge):
         self.execution.judge("adapter.step()", "disaggregated", self, observation, pair.producer, pair.consumer)
         super().step_observed(observation, completed_in_step)
         self.follow_pair(observation, pair.producer, pair.consumer)
+        if completed_in_step is not None:
+            self.complete_transfers(completed_in_step.fail_loads, False)
 
     def resident_kv(self, request_id: str, kv: torch.Tensor) -> None:
         """Judge a loaded consumer request's bytes against the producer's (PD-DATA-1, PD-TP-1), then at the connector
