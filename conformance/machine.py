@@ -381,6 +381,10 @@ class PairStateMachine(ConnectorStateMachine):
                            lora_name=before.lora_name)
         self.added_since_drain += 1
         self.apply("decode", spec, prefill_id, *([override] if override is not None else []))
+        read = data.draw(st.sampled_from(("later", "now", "failed")), label="read")
+        if read != "later" and not self.on_own_clock:  # the read in flight, completed or failed in transit (PD-FAIL-1)
+            self.apply("step")
+            self.apply("complete_transfers", read == "failed" and self.run.capabilities.transfer_failures, False)
 
 
 def machine_for(session: Session) -> type[ConnectorStateMachine]:
