@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -80,6 +80,14 @@ class ConnectorJudge:
         """Track a request the harness added: it is unfinished until the adapter reports it finished."""
         self.history.add(spec.request_id, spec.prompt, spec.max_tokens, spec.cache_salt, spec.lora_name)
         self.trace.unfinished.add(spec.request_id)
+
+    def prefill(self, spec: RequestSpec) -> None:
+        """A request to a pair's producer is, at this level, a request like any other."""
+        self.add_request(spec)
+
+    def decode(self, spec: RequestSpec, params: dict[str, Any]) -> None:
+        """A request to a pair's consumer is, at this level, a request like any other."""
+        self.add_request(spec)
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         """Nothing to follow: the adapter reports what its transfers did in its next step."""

@@ -36,6 +36,7 @@ OPTION_CONNECTOR_MANIFEST = "--kv-connector-manifest"
 OPTION_SCHEDULING = "--kv-scheduling"
 OPTION_CALL_TIMEOUT = "--kv-call-timeout"
 OPTION_DRAIN_TIMEOUT = "--kv-drain-timeout"
+OPTION_TENSOR_PARALLEL_SIZE = "--kv-tensor-parallel-size"
 OPTION_REPORT = "--kv-report"
 OPTION_JUNIT = "--kv-junit"
 OPTION_KNOWN_FAILURES = "--kv-known-failures"
@@ -68,6 +69,7 @@ PREPARE_ARGUMENTS = {
     "scheduling": "kv_scheduling",
     "call_timeout": "kv_call_timeout",
     "drain_timeout": "kv_drain_timeout",
+    "tensor_parallel_size": "kv_tensor_parallel_size",
     "report_path": "kv_report",
     "junit_path": "kv_junit",
     "known_failures_path": "kv_known_failures",
@@ -90,6 +92,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Seconds one adapter call may take before its outcome is reported unknown")
     group.addoption(OPTION_DRAIN_TIMEOUT, dest="kv_drain_timeout", default=None,
                     help="Seconds a drain steps a connector on its own clock until it is idle (as kvconform run)")
+    group.addoption(OPTION_TENSOR_PARALLEL_SIZE, dest="kv_tensor_parallel_size", type=int, default=None,
+                    help="Ranks per engine of a disaggregated pair (as kvconform run --tensor-parallel-size)")
     group.addoption(OPTION_REPORT, dest="kv_report", type=Path, default=None,
                     help="Write the JSON report of the state-machine run here")
     group.addoption(OPTION_JUNIT, dest="kv_junit", type=Path, default=None,

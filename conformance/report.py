@@ -254,12 +254,14 @@ an adapter judged at the offloading level reports (CONF-OBS-2)."""
 
 
 def not_applicable(capabilities: Capabilities, levels: Iterable[SpecLevel]) -> dict[str, str]:
-    """Return the clauses that cannot be exercised for this adapter, each with why: those its manifest rules out (what
-    it never does) and the rules of judging of a level the run did not judge. Their verdict, unexercised, is "not
-    applicable", which certifying does not require (CONF-CERT-1)."""
+    """Return the clauses that cannot be exercised for this adapter, each with why: those of the levels the run did not
+    judge, those its manifest rules out (what it never does) and the rules of judging of a level the run did not
+    judge. Their verdict, unexercised, is "not applicable", which certifying does not require (CONF-CERT-1)."""
     judged = set(levels)
-    return ({clause: f"the manifest declares never: {never}, which the judge verifies"
-             for never in capabilities.never for clause in NEVER_RULES_OUT[never]}
+    return ({clause.id: f"a clause of the {clause.spec_level} level, which this run did not judge"
+             for clause in registry.clauses().values() if clause.spec_level not in (None, *judged)}
+            | {clause: f"the manifest declares never: {never}, which the judge verifies"
+               for never in capabilities.never for clause in NEVER_RULES_OUT[never]}
             | {clause: f"binds only the {level} level's observations, not judged in this run"
                for clause, level in LEVEL_RULES.items() if level not in judged})
 

@@ -64,6 +64,9 @@ def _connector_options(command):
 @click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
 @click.option("--scheduling", type=click.Choice(options.SCHEDULINGS), default="both", show_default=True,
               help="Scheduling modes to draw engine configurations from")
+@click.option("--tensor-parallel-size", type=int, default=None,
+              help="Ranks per engine of a disaggregated pair (as vLLM's flag); drawn from those the adapter runs if "
+                   "not given")
 @_connector_options
 @click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
 @click.option("--database", default=DEFAULT_DATABASE, show_default=True,
@@ -76,7 +79,8 @@ def _connector_options(command):
                    "is replaced by each release")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool,
-                scheduling: str, connector: str | None, connector_config: str | None, connector_manifest: str | None,
+                scheduling: str, tensor_parallel_size: int | None, connector: str | None,
+                connector_config: str | None, connector_manifest: str | None,
                 verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
@@ -84,7 +88,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
         given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
                  "--connector": connector, "--connector-config": connector_config,
-                 "--connector-manifest": connector_manifest, "--database": database, "--workers": workers}
+                 "--connector-manifest": connector_manifest, "--database": database, "--workers": workers,
+                 "--tensor-parallel-size": tensor_parallel_size}
         arguments = [str(item) for name, value in given.items() if value is not None for item in (name, value)]
         _run_releases(vllm_releases, arguments + ["--certify"] * certify, adapter_spec, profile, report_path,
                       junit_path)
@@ -93,7 +98,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
                               report_path=report_path, junit_path=junit_path, certify=certify, database=database,
-                              drain_timeout=drain_timeout)
+                              drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
@@ -104,7 +109,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     if workers > 1:
         run_report = _run_in_workers(workers, adapter=adapter_spec, profile=profile, seed=seed,
                                      scheduling=scheduling, call_timeout=call_timeout, database=database,
-                                     drain_timeout=drain_timeout,
+                                     drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size,
                                      known_failures=known_failures_path, report=report_path, junit=junit_path)
         _print_table(_stdout(), run_report, verbose)
     else:
@@ -234,7 +239,8 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print("known failures met: " + ", ".join(f"{name} x{count}"
                                                          for name, count in run_report.known_failures_met.items()),
                       highlight=False)
-    ruled_out = [clause.id for clause in run_report.clauses if clause.verdict == "not applicable"]
+    ruled_out = [clause.id for clause in report.counted(run_report.clauses, run_report.levels)
+                 if clause.verdict == "not applicable"]
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}"
                   + (f"; not applicable: {', '.join(ruled_out)}" if ruled_out else ""), highlight=False)

@@ -114,7 +114,10 @@ def test_reports_are_json_and_junit(tmp_path: Path) -> None:
     assert set(skipped) == {clause for clause, verdict in verdicts.items() if verdict != "pass"}
     for clause, message in skipped.items():
         reason = registry.clauses()[clause].model_only
-        assert message == (f"model-only: {reason}" if reason else "not exercised by this run"), (clause, message)
+        level = registry.clauses()[clause].spec_level
+        assert message == (f"model-only: {reason}" if reason else
+                           f"not applicable: a clause of the {level} level, which this run did not judge"
+                           if level not in (None, *written["levels"]) else "not exercised by this run"), clause
     coverage = RunReport.model_validate(written).run_time_coverage
     assert stdout.startswith(f"kvconform spec {registry.spec_version()}: reference: {coverage.summary()}\n"), stdout
 
