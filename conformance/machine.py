@@ -142,8 +142,11 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         self.session.statistics.examples += 1
         if self.session.on_example is not None:
             self.session.on_example()
-        capabilities = self.run.begin()
-        self.apply("start", data.draw(engine_configs(capabilities, self.session.scheduling), label="config"))
+        self.apply("start", self.engine_config(data, self.run.begin()))
+
+    def engine_config(self, data: st.DataObject, capabilities: Capabilities) -> EngineConfig:
+        """Draw the engine's configuration within what the adapter claims (CONF-CAP-1)."""
+        return data.draw(engine_configs(capabilities, self.session.scheduling), label="config")
 
     # Hypothesis must draw the same data whenever it replays an example. Where the harness completes transfers the
     # adapter is deterministic, and the rules may read its state: preconditions and the candidates a rule draws
@@ -318,18 +321,14 @@ class PairStateMachine(ConnectorStateMachine):
         self.prefills: list[str] = []
         self.decoded: set[str] = set()
 
-    @initialize(data=st.data())
-    def start(self, data: st.DataObject) -> None:
-        """Start the pair at the run's tensor-parallel size, or one drawn from those the adapter runs (PD-TP-1)."""
-        self.session.statistics.examples += 1
-        if self.session.on_example is not None:
-            self.session.on_example()
-        capabilities = self.run.begin()
-        config = data.draw(engine_configs(capabilities, self.session.scheduling), label="config")
+    def engine_config(self, data: st.DataObject, capabilities: Capabilities) -> EngineConfig:
+        """Draw the pair's configuration at the run's tensor-parallel size, or one drawn from those the adapter runs
+        (PD-TP-1)."""
+        config = super().engine_config(data, capabilities)
         size = self.session.tensor_parallel_size
         if size is None:
             size = data.draw(st.sampled_from(sorted(capabilities.tensor_parallel_sizes)), label="tensor_parallel_size")
-        self.apply("start", config.model_copy(update={"tensor_parallel_size": size}))
+        return config.model_copy(update={"tensor_parallel_size": size})
 
     @precondition(lambda self: self.live_requests() < MAX_LIVE_REQUESTS)
     @rule(data=st.data(), then=st.sampled_from(("wait", "hand_over", "abort")))
