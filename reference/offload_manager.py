@@ -193,8 +193,6 @@ class ARCPolicy:
         self.target_t1 = 0.0
 
 
-
-
 @dataclass
 class OffloadManager:
     """The scheduler-side index of the offload store (OFF-MGR-1 to OFF-MGR-9)."""
