@@ -7,7 +7,7 @@ returns are those of `kvconform.common.values`.
 from __future__ import annotations
 
 import abc
-import os
+from typing import Any
 
 import torch
 
@@ -21,19 +21,6 @@ from kvconform.common.values import (
     StoreSnapshot,
     TransferOutcome,
 )
-
-TENSOR_PARALLEL_VARIABLE = "KVCONFORM_TENSOR_PARALLEL_SIZE"
-"""The tensor-parallel size a run asks an adapter for: ranks per engine, each with its share of the KV heads. Set by
-`kvconform run --tensor-parallel-size` and pytest's `--kv-tensor-parallel-size` (`conformance.options`); unset is 1."""
-
-
-def tensor_parallel_size() -> int:
-    """Return the tensor-parallel size the run asks for, or raise ValueError saying what is wrong with it."""
-    text = os.environ.get(TENSOR_PARALLEL_VARIABLE, "1").strip()
-    if not (text.isdigit() and int(text) >= 1):
-        raise ValueError(f"--tensor-parallel-size ({TENSOR_PARALLEL_VARIABLE}) must be a whole number of ranks, 1 or "
-                         f"more, not {text!r}")
-    return int(text)
 
 
 class ImplementationFailure(Exception):
@@ -52,7 +39,31 @@ class ImplementationFailure(Exception):
 
 
 class KVConnectorAdapter(abc.ABC):
-    """One implementation under test. The harness builds a fresh adapter per test case."""
+    """One implementation under test. The harness builds a fresh adapter per test case.
+
+    An adapter of the disaggregated level (`Capabilities.levels` holds "disaggregated", chapter `disaggregated`)
+    drives a pair of engines, a producer (prefill) and a consumer (decode), each with `EngineConfig.
+    tensor_parallel_size` ranks, through this same interface:
+
+    - `start(config)` builds both engines from one config, with distinct engine ids;
+    - `prefill(request)` sends a request to the producer with `kv_transfer_params={"do_remote_decode": True}`, as
+      a P/D proxy does; when it finishes, the step's `EngineStep.params` of the producer carry the params its
+      `request_finished` returned;
+    - `decode(request, kv_transfer_params)` sends a request to the consumer with those params, as the harness
+      forwarded them (the producer's returned params, or params the harness made malformed on purpose: the adapter
+      passes them on unchanged);
+    - `add_request(request)` sends a plain request, no params, to the consumer (it computes locally);
+    - `step()` steps the producer, then the consumer, once each, and returns one `StepObservation`: its fields are the
+      union of the two engines' (request ids are unique across the pair), and `disaggregated` holds each engine's
+      connector facts (`EngineStep`: each rank's reports, the aggregated finished/failed ids, returned params, held
+      blocks);
+    - `abort`, `preempt` and `computed_kv` act on the engine that holds the request; `reset_prefix_cache` resets both
+      and answers True if both did; `complete_transfers` completes the consumer's reads (a harness-clocked pair);
+      `resource_usage` is the sum of both engines'; `store_contents` is empty (nothing is offloaded).
+
+    A bad request the adapter refuses (a tensor-parallel size it does not run, say) is for `start` to raise as
+    `ImplementationFailure` or `ValueError`; malformed params are the connector's to answer (PD-PARAMS-2).
+    """
 
     name: str = "unnamed"
 
@@ -77,6 +88,15 @@ class KVConnectorAdapter(abc.ABC):
     @abc.abstractmethod
     def add_request(self, request: RequestSpec) -> None:
         """Queue a request (it is considered for scheduling at the next step)."""
+
+    def prefill(self, request: RequestSpec) -> None:
+        """Disaggregated level: queue `request` on the producer, to be decoded remotely (`do_remote_decode`)."""
+        raise NotImplementedError(f"{self.name} drives one engine, not a producer/consumer pair (levels)")
+
+    def decode(self, request: RequestSpec, kv_transfer_params: dict[str, Any]) -> None:
+        """Disaggregated level: queue `request` on the consumer with the params the harness forwarded from the producer
+        (`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_block_ids`, ...), unchanged."""
+        raise NotImplementedError(f"{self.name} drives one engine, not a producer/consumer pair (levels)")
 
     @abc.abstractmethod
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:

@@ -1,8 +1,11 @@
-"""Finding adapters by name (entry-point group `kvconform.adapters`) or as `module:factory`."""
+"""Finding adapters by name (entry-point group `kvconform.adapters`) or as `module:factory`, the module found from the
+current directory too."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
@@ -32,11 +35,19 @@ def resolve(spec: str) -> Callable[[], KVConnectorAdapter]:
     return _checked(lambda: _load_attr(module_name, attr, spec), spec)
 
 
+def on_path_from_current_directory() -> None:
+    """Make modules in the current directory importable, as `python -m` does: a user's `module:attr` is found there."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def _load_attr(module_name: str, attr: str, spec: str) -> object:
+    on_path_from_current_directory()
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # any import failure is the user's configuration error
-        raise AdapterNotFound(f"cannot import {module_name!r} for adapter {spec!r}: {error}") from error
+        raise AdapterNotFound(f"cannot import {module_name!r} for adapter {spec!r} (the current directory "
+                              f"{os.getcwd()} included): {error}") from error
     target: object = module
     for part in attr.split("."):
         if not hasattr(target, part):

@@ -9,7 +9,7 @@ here, so the reference depends on no adapter code.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
@@ -44,6 +44,13 @@ class EngineConfig(_Frozen):
                                                                 "without it, it is admitted afresh (LIFE-LOAD-3)")
     restart_offers_on_lookup: bool = Field(False, description="each lookup of a request makes it offer its blocks "
                                                               "from the first one again (OFF-STORE-7)")
+    arc_t1_fallback: bool = Field(False, description="with the arc policy, take a T1 victim where T1 is under its "
+                                                     "target and T2 has none, rather than refuse the store "
+                                                     "(OFF-ARC-4)")
+    tensor_parallel_size: int = Field(1, ge=1, exclude_if=lambda value: value == 1,
+                                      description="tensor-parallel ranks per engine, each holding and moving only its "
+                                                  "share of the KV heads (KVC-DATA-1, PD-TP-1): vLLM's "
+                                                  "--tensor-parallel-size")
 
     def __repr__(self) -> str:
         return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in self.model_dump().items())})"
@@ -110,6 +117,48 @@ class TransferOutcome(_Frozen):
     fail_stores: bool = False
 
 
+class RankReport(_Frozen):
+    """What one tensor-parallel rank's worker reported in a step, before the engine aggregated the ranks (PD-TP-1):
+    the request ids of its `KVConnectorOutput`."""
+
+    finished_sending: tuple[str, ...] = ()
+    finished_recving: tuple[str, ...] = ()
+    failed_recving: tuple[str, ...] = Field((), description="receives of this rank that failed (vLLM: the ids of "
+                                                            "`invalid_block_ids`' requests, or `failed_recving`)")
+
+
+class EngineStep(_Frozen):
+    """What one engine of a disaggregated pair did in a step, as its connector reported it (chapter `disaggregated`).
+
+    Request ids are unique across the pair's engines; the engine's scheduler-level facts (scheduled and computed
+    tokens, answers, finishes, frees) are in the step's `StepObservation` fields, the union of both engines'."""
+
+    engine_id: str = Field(description="the engine's id, as its params name it (`remote_engine_id`)")
+    ranks: tuple[RankReport, ...] = Field(description="each rank's report of the step, in rank order: "
+                                                      "tensor_parallel_size of them (PD-TP-1)")
+    finished_sending: tuple[str, ...] = Field((), description="delayed frees the engine saw ended in this step, once "
+                                                              "every rank reported them (aggregated, PD-TP-1)")
+    finished_recving: tuple[str, ...] = Field((), description="receives the engine saw finished in this step, once "
+                                                              "every rank reported them (aggregated)")
+    failed_recving: tuple[str, ...] = Field((), description="of those, the receives that failed (PD-FAIL-1)")
+    params: dict[str, dict[str, Any] | None] = Field(default_factory=dict, description="each request that finished "
+                                                     "in this step -> the kv_transfer_params its request_finished "
+                                                     "returned, None for none (PD-PARAMS-1)")
+    held: dict[str, tuple[NonNegativeInt, ...]] = Field(default_factory=dict, description="after the step, each "
+                                                        "finished request whose free the connector still delays -> "
+                                                        "the GPU block ids it holds, as the engine's block table has "
+                                                        "them (PD-HOLD-1)")
+    forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks this engine's "
+                                                                               "forward wrote in the step")
+
+
+class DisaggregatedStep(_Frozen):
+    """One step of a disaggregated pair: each engine's connector facts (chapter `disaggregated`)."""
+
+    producer: EngineStep
+    consumer: EngineStep
+
+
 class StepObservation(_Frozen):
     """Everything one engine step did that the spec constrains."""
 
@@ -168,6 +217,11 @@ class StepObservation(_Frozen):
                                                           "in this step")
     saves_finished: tuple[str, ...] = Field((), description="requests whose delayed free the connector ended in this "
                                                             "step (get_finished's sending ids)")
+    # The disaggregated level (chapter `disaggregated`): a pair's step is both engines' step; the fields above are the
+    # union of the two engines' (request ids are unique across them), this one each engine's connector facts.
+    disaggregated: DisaggregatedStep | None = Field(None, exclude_if=lambda value: value is None,
+                                                    description="each engine's connector facts, from an adapter "
+                                                                "of the disaggregated level; None from any other")
 
 
 class StoreSnapshot(_Frozen):
@@ -189,11 +243,12 @@ class ResourceUsage(_Frozen):
 SpecLevel = Literal["connector", "offloading", "disaggregated"]
 """The levels of the spec: what every KVConnectorBase_V1 must do (`connector`), and the deeper rules of
 OffloadingManager-style connectors (`offloading`); an adapter that reports the offloading level's observations
-is judged at both. `disaggregated` (chapter 09, P/D connectors) is tested on the reference pair alone so far: no judge
-of two engines exists yet, and no adapter reports it."""
+is judged at both. `disaggregated` (chapter 09, P/D connectors): an adapter of a producer/consumer pair of engines
+(`KVConnectorAdapter.prefill`, `decode`, `StepObservation.disaggregated`) is judged at this level alone, as the pair
+is not one engine."""
 
 VARIANTS = ("offer_at_finish", "flush_on_hit", "flush_all_on_preemption", "lookup_after_failed_load",
-            "local_hit_after_failed_load", "restart_offers_on_lookup")
+            "local_hit_after_failed_load", "restart_offers_on_lookup", "arc_t1_fallback")
 """EngineConfig fields that name a behaviour of the connector and the store that releases of one implementation
 differ in: the capability of the same name lists the values an implementation has, and the reference follows the
 value the config carries. A choice of the scheduler is no variant: the judge follows the schedule it observes."""
@@ -224,6 +279,9 @@ class Capabilities(_Frozen):
     restart_offers_on_lookup: tuple[bool, ...] = Field((False,), description="whether each lookup of a request makes "
                                                                                "it offer its blocks from the first one "
                                                                                "again (OFF-STORE-7)")
+    arc_t1_fallback: tuple[bool, ...] = Field((False,), description="whether the arc policy takes a T1 victim where T1 "
+                                                                      "is under its target and T2 has none "
+                                                                      "(OFF-ARC-4)")
     harness_completes_transfers: bool = Field(True, description="transfers finish when the harness completes "
                                                                  "them (a seam holds them), so the adapter is "
                                                                  "deterministic; False for a connector on its own "
@@ -245,6 +303,16 @@ class Capabilities(_Frozen):
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
     reads_stored_kv: bool = Field(False, description="stored_kv() returns the bytes the store holds for a readable "
                                                      "offloaded block, so the data at rest is checked (XFER-DATA-3)")
+    tensor_parallel_sizes: tuple[int, ...] = Field((1,), description="tensor_parallel_size values it runs, "
+                                                                     "one drawn per example unless the run names one "
+                                                                     "(KVC-DATA-1, PD-TP-1)")
+    lease_steps: int | None = Field(None, ge=1, description="disaggregated level: a producer's delayed free ends "
+                                                            "after this many producer steps with no read (the harness "
+                                                            "clock, PD-LEASE-1)")
+    lease_seconds: float | None = Field(None, gt=0, description="disaggregated level: a producer's delayed free ends "
+                                                                "this many seconds after its request finished, with no "
+                                                                "read (the connector's own clock: vLLM NIXL's "
+                                                                "kv_lease_duration, PD-LEASE-1)")
 
     def lacks(self, config: EngineConfig) -> str | None:
         """Return what `config` asks that these capabilities do not offer — a factor, policy, scheduling mode or
@@ -256,6 +324,8 @@ class Capabilities(_Frozen):
                 return f"{capability} {getattr(self, capability)}, not {value!r}"
         if config.async_scheduling and not self.async_scheduling:
             return "sync scheduling only, not async"
+        if config.tensor_parallel_size not in self.tensor_parallel_sizes:
+            return f"tensor_parallel_sizes {self.tensor_parallel_sizes}, not {config.tensor_parallel_size}"
         return None
 
     @model_validator(mode="after")
@@ -265,4 +335,9 @@ class Capabilities(_Frozen):
                              f"each of {', '.join(VARIANTS)}")
         if any(factor < 1 for factor in self.block_size_factors):
             raise ValueError("block_size_factors must be >= 1")
+        if not self.tensor_parallel_sizes or any(size < 1 for size in self.tensor_parallel_sizes):
+            raise ValueError("tensor_parallel_sizes must list sizes >= 1")
+        if "disaggregated" in self.levels and (self.lease_steps is None) == (self.lease_seconds is None):
+            raise ValueError("an adapter of the disaggregated level gives its lease in lease_steps or lease_seconds, "
+                             "one of them")
         return self

@@ -33,10 +33,11 @@ from kvconform.reference.kv_cache import NULL_BLOCK_ID
 from kvconform.reference.request import Request, RequestStatus
 
 Kind = Literal["step", "store", "data", "reset", "drain", "connector", "connector-data", "connector-drain",
-               "stored-data"]
+               "stored-data", "disaggregated", "disaggregated-data", "disaggregated-drain"]
 """What a check judges: a step, the store, the KV bytes or the answer to a prefix-cache reset against the reference,
 or the drained engine (offloading level); a step, the bytes or the drained engine on the adapter's own schedule
-(`connector_level.py`); the bytes of a block a store made readable (offloading level)."""
+(`connector_level.py`); the bytes of a block a store made readable (offloading level); a pair's step, a consumer's
+loaded bytes or the drained pair (`disaggregated_level.py`)."""
 
 JobName = tuple[bool, str, tuple[int, ...]]
 """A transfer job as observations name it: (is a store, request, offloaded blocks). No two jobs in flight share a

@@ -1,12 +1,14 @@
 """Running programs of engine operations on an adapter, judged at each spec level it reports (chapter `conformance`).
 
 A program is a list of `Call`s: the adapter operations `start`, `add_request`, `step`, `complete_transfers`,
-`abort`, `preempt`, `reset_prefix_cache`, plus `drain` (complete transfers and step until the engine is
-idle, then check for leaks). The state machine draws programs, the shrinker edits them, and a counterexample
-is one. `Execution.apply` runs one call on the adapter and hands every operation and answer to one `Judge` per
-spec level, on the adapter's own schedule: the connector level from what crosses the connector API
-(`connector_level.py`), the offloading level against the reference engine stepped alongside, which schedules as
-the adapter did and so knows what the connector and the store must do (`offloading_level.py`).
+`abort`, `preempt`, `reset_prefix_cache` (and, for a producer/consumer pair, `prefill` and `decode`), plus `drain`
+(complete transfers and step until the engine is idle, then check for leaks). The state machine draws programs,
+the shrinker edits them, and a counterexample is one. `Execution.apply` runs one call on the adapter and hands every
+operation and answer to one `Judge` per spec level, on the adapter's own schedule: the connector level from what
+crosses the connector API (`connector_level.py`), the offloading level against the reference engine stepped
+alongside, which schedules as the adapter did and so knows what the connector and the store must do
+(`offloading_level.py`), and a pair of engines on both their schedules, joined by the params the harness forwards
+(`disaggregated_level.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Kind, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
+from kvconform.conformance.disaggregated_level import DisaggregatedJudge, forwarded_params
 from kvconform.conformance.offloading_level import OffloadingJudge
 from kvconform.conformance.operations import Call
 from kvconform.reference.engine import Engine
@@ -110,6 +113,9 @@ class Session:
     """Builds the reference engine the offloading level follows the adapter with: the spec's model."""
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     """Seconds a drain waits for a connector on its own clock to go idle (`DEFAULT_DRAIN_TIMEOUT`)."""
+    tensor_parallel_size: int | None = None
+    """The ranks per engine a pair's run starts with (`--tensor-parallel-size`); None: drawn from those the adapter
+    runs (PD-TP-1)."""
     coverage: dict[str, int] = field(default_factory=dict)
     exercise: exercise.Table = field(default_factory=dict)
     """How often the run drew each situation, per scheduling mode (`exercise.SITUATIONS`, CONF-CAP-1)."""
@@ -152,6 +158,8 @@ class Judge(EngineState, Protocol):
     adapter gave, it judges the answers by the checks of its level (`checks.check`). Built at `start`."""
 
     def add_request(self, spec: RequestSpec) -> None: ...
+    def prefill(self, spec: RequestSpec) -> None: ...
+    def decode(self, spec: RequestSpec, params: dict[str, Any]) -> None: ...
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def preempt(self, request_id: str) -> None: ...
@@ -162,13 +170,16 @@ class Judge(EngineState, Protocol):
 
 
 JUDGES: dict[SpecLevel, Callable[[Execution, EngineConfig], Judge]] = {
-    "offloading": OffloadingJudge, "connector": ConnectorJudge}
+    "disaggregated": DisaggregatedJudge, "offloading": OffloadingJudge, "connector": ConnectorJudge}
 """Each spec level's judge, the deeper level first: a failure it finds names the block and the cause."""
 
 
 def judged_levels(capabilities: Capabilities) -> set[SpecLevel]:
     """Return the levels an adapter is judged at: those it reports, and the connector level, which every connector
-    meets (chapter `connector-level`)."""
+    meets (chapter `connector-level`); a producer/consumer pair is judged at the disaggregated level alone, as it is
+    not one engine (chapter `disaggregated`)."""
+    if "disaggregated" in capabilities.levels:
+        return {"disaggregated"}
     return {"connector", *capabilities.levels}
 
 
@@ -194,6 +205,8 @@ class Execution:
         """Whether a known deviation of the adapter was followed earlier in this example."""
         self.observations: list[StepObservation] = []
         """The adapter's answers to the steps so far, for a scenario's expectations."""
+        self.returned_params: dict[str, dict[str, Any] | None] = {}
+        """A pair's finished producer requests -> the kv_transfer_params they returned (chapter `disaggregated`)."""
 
     # --- the adapter ---------------------------------------------------------------------------
 
@@ -260,8 +273,10 @@ class Execution:
             return not self.started
         if not self.started:
             return False
-        if call.operation == "add_request":
+        if call.operation in ("add_request", "prefill"):
             return call.args[0].request_id not in self.requests
+        if call.operation == "decode":
+            return call.args[0].request_id not in self.requests and call.args[1] in self.returned_params
         if call.operation == "abort":
             return self.capabilities.abort and call.args[0] in self.state.unfinished()
         if call.operation == "preempt":
@@ -300,9 +315,28 @@ class Execution:
             judge.add_request(spec)
         self.call("add_request", spec)
 
+    def _prefill(self, spec: RequestSpec) -> None:
+        self.requests[spec.request_id] = spec
+        for judge in self.judges:
+            judge.prefill(spec)
+        self.call("prefill", spec)
+
+    def _decode(self, spec: RequestSpec, prefill_id: str, override: dict[str, Any] | None = None) -> None:
+        """Forward what request `prefill_id` returned, `override`'s fields in place, to the consumer (PD-PARAMS-2)."""
+        if prefill_id not in self.requests:
+            raise InvalidCall("PD-PARAMS-2", f"decode({spec.request_id!r}) forwards the params of {prefill_id!r}, "
+                                             "which no prefill sent to the producer")
+        params = forwarded_params(self.returned_params.get(prefill_id), override)
+        self.requests[spec.request_id] = spec
+        for judge in self.judges:
+            judge.decode(spec, params)
+        self.call("decode", spec, params)
+
     def _step(self, complete_transfers: TransferOutcome | None = None) -> None:
         actual = self.call("step", *([] if complete_transfers is None else [complete_transfers]))
         self.observations.append(actual)
+        if actual.disaggregated is not None:
+            self.returned_params.update(actual.disaggregated.producer.params)
         statistics = self.session.statistics
         statistics.steps += 1
         statistics.steps_after_known_failure += self.deviated

@@ -7,12 +7,15 @@ calls run so far are the example's program, which the shrinker edits when it fai
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import hypothesis.strategies as st
 from hypothesis import reject
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvconform.common.values import VARIANTS, Capabilities, EngineConfig, RequestSpec, TransferOutcome
-from kvconform.conformance.execution import Diverged, Execution, Scheduling, Session
+from kvconform.conformance.execution import DRAIN_STEP_LIMIT, Diverged, Execution, Scheduling, Session
 from kvconform.conformance.operations import Call
 
 BASE_PROMPTS = tuple(tuple((seed * 5 + i * (seed + 2)) % 4 for i in range(48)) for seed in range(3))
@@ -29,8 +32,10 @@ def scheduling_modes(capabilities: Capabilities, scheduling: Scheduling) -> list
 
 
 @st.composite
-def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Scheduling = "both") -> EngineConfig:
-    """Draw an engine configuration within what the adapter claims (CONF-CAP-1)."""
+def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Scheduling = "both",
+                   tensor_parallel_size: int | None = None) -> EngineConfig:
+    """Draw an engine configuration within what the adapter claims (CONF-CAP-1), at the run's tensor-parallel size
+    or one of those the adapter runs (KVC-DATA-1, PD-TP-1)."""
     return EngineConfig(
         block_size=4,
         num_gpu_blocks=draw(GPU_POOLS, label="num_gpu_blocks"),
@@ -41,6 +46,8 @@ def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Sche
         max_num_batched_tokens=draw(st.sampled_from((16, 256)), label="token_budget"),
         **{variant: draw(st.sampled_from(sorted(getattr(capabilities, variant))), label=variant)
            for variant in VARIANTS},
+        tensor_parallel_size=tensor_parallel_size or draw(st.sampled_from(sorted(capabilities.tensor_parallel_sizes)),
+                                                          label="tensor_parallel_size"),
     )
 
 
@@ -139,8 +146,8 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         self.session.statistics.examples += 1
         if self.session.on_example is not None:
             self.session.on_example()
-        capabilities = self.run.begin()
-        self.apply("start", data.draw(engine_configs(capabilities, self.session.scheduling), label="config"))
+        config = engine_configs(self.run.begin(), self.session.scheduling, self.session.tensor_parallel_size)
+        self.apply("start", data.draw(config, label="config"))
 
     # Hypothesis must draw the same data whenever it replays an example. Where the harness completes transfers the
     # adapter is deterministic, and the rules may read its state: preconditions and the candidates a rule draws
@@ -299,7 +306,100 @@ class ConnectorStateMachine(RuleBasedStateMachine):
             self.run.close()
 
 
+MALFORMED_FORWARDS: st.SearchStrategy[dict[str, object]] = st.sampled_from((
+    {"do_remote_prefill": None}, {"remote_block_ids": None}, {"remote_engine_id": None},
+    {"remote_engine_id": "no-such-engine"}, {"remote_request_id": "no-such-request"}, {"remote_block_ids": [1]}))
+"""Params a proxy may forward wrong: a field missing (PD-PARAMS-2), or naming an engine, request or blocks the producer
+does not hold (PD-FAIL-1)."""
+
+
+class PairStateMachine(ConnectorStateMachine):
+    """Draws programs for a producer/consumer pair (chapter `disaggregated`): the rules of one engine, whose
+    `add_request` goes to the consumer, plus P/D requests in rules of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefills: list[str] = []
+        self.decoded: set[str] = set()
+
+    @precondition(lambda self: self.live_requests() < MAX_LIVE_REQUESTS)
+    @rule(data=st.data(), then=st.sampled_from(("wait", "hand_over", "abort")))
+    def prefill(self, data: st.DataObject, then: str) -> None:
+        """Send a new prompt to the producer, as a P/D proxy does: one token to generate, its KV for the consumer; then
+        forward its params to the consumer as soon as they return (`hand_over`), as the proxy then does, or abort it
+        after a step, while its prefill may be in flight (`abort`, PD-ABORT-1)."""
+        spec = data.draw(new_requests(f"r{len(self.run.requests)}"), label="request")
+        self.added_since_drain += 1
+        self.prefills.append(spec.request_id)
+        self.apply("prefill", spec.model_copy(update={"max_tokens": 1, "skip_reading_prefix_cache": False}))
+        if then == "hand_over" and self.live_requests() < MAX_LIVE_REQUESTS:
+            self.forward(data, spec.request_id, None)
+        elif then == "abort" and self.run.capabilities.abort:
+            self.apply("step")
+            if spec.request_id in self.run.state.unfinished():
+                self.apply("abort", spec.request_id)
+
+    def undecoded(self) -> list[str]:
+        """Return the prefills not decoded yet: those that returned their params, where the harness completes
+        transfers; on the connector's clock, every one (the decode rule waits for its params)."""
+        waiting = [request_id for request_id in self.prefills if request_id not in self.decoded]
+        return waiting if self.on_own_clock else [r for r in waiting if r in self.run.returned_params]
+
+    @precondition(lambda self: self.undecoded() and self.live_requests() < MAX_LIVE_REQUESTS)
+    @rule(data=st.data(), malformed=SOMETIMES)
+    def decode(self, data: st.DataObject, malformed: bool) -> None:
+        """Forward a finished prefill's params to the consumer with its prompt, sometimes malformed (PD-PARAMS-2,
+        PD-FAIL-1); on the connector's clock, first step the pair until the prefill returned them, within the drain
+        deadline."""
+        prefill_id = self.pick(data, self.undecoded())
+        if prefill_id is not None:
+            self.forward(data, prefill_id, data.draw(MALFORMED_FORWARDS, label="malformed") if malformed else None)
+
+    def forward(self, data: st.DataObject, prefill_id: str, override: dict[str, object] | None) -> None:
+        """Step the pair until the prefill returned its params, within the drain deadline (on a harness clock, within
+        the drain's steps), then send its prompt to the consumer with them, `override`'s fields in place."""
+        deadline, steps = time.monotonic() + self.session.drain_timeout, 0
+        while prefill_id not in self.run.returned_params and time.monotonic() < deadline and (
+                self.on_own_clock or steps < DRAIN_STEP_LIMIT) and (self.on_own_clock or self.run.state.busy()):
+            self.apply("step")
+            steps += 1
+        if prefill_id not in self.run.returned_params:
+            return
+        self.decoded.add(prefill_id)
+        before = self.run.requests[prefill_id]
+        spec = RequestSpec(request_id=f"r{len(self.run.requests)}", prompt=before.prompt,
+                           max_tokens=data.draw(MAX_TOKENS, label="max_tokens"), cache_salt=before.cache_salt,
+                           lora_name=before.lora_name)
+        self.added_since_drain += 1
+        self.apply("decode", spec, prefill_id, *([override] if override is not None else []))
+        read = data.draw(st.sampled_from(("later", "now", "failed")), label="read")
+        if read != "later" and not self.on_own_clock:  # the read in flight, completed or failed in transit (PD-FAIL-1)
+            self.apply("step")
+            self.apply("complete_transfers", read == "failed" and self.run.capabilities.transfer_failures, False)
+
+
 def machine_for(session: Session) -> type[ConnectorStateMachine]:
-    """Return a state-machine class that runs the examples of `session`."""
+    """Return a state-machine class that runs the examples of `session`: a pair's, for an adapter of the disaggregated
+    level (its own rules leave every other adapter's draws as they were)."""
     name = getattr(session.adapter_factory, "__name__", "Adapter")
-    return type(f"ConnectorStateMachine_{name}", (ConnectorStateMachine,), {"session": session})
+    base = PairStateMachine if "disaggregated" in probe_levels(session) else ConnectorStateMachine
+    return type(f"{base.__name__}_{name}", (base,), {"session": session})
+
+
+def probe_levels(session: Session) -> tuple[str, ...]:
+    """Return the levels the adapter reports: as the session knows them, or from one adapter built for the purpose
+    and closed; none where that fails: the run's first execution then reports the failure under its clause
+    (CONF-CAP-1)."""
+    if session.capabilities is not None:
+        return tuple(session.capabilities.levels)
+    try:
+        adapter = session.adapter_factory()
+    except Exception:  # the executions report it, with the clause it breaks
+        return ()
+    try:
+        return tuple(adapter.capabilities().levels)
+    except Exception:
+        return ()
+    finally:
+        with contextlib.suppress(Exception):
+            adapter.close()

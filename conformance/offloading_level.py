@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,7 @@ from kvconform.common.values import (
 from kvconform.conformance.checks import ClauseViolation, Context, check_drained
 from kvconform.reference.connector import KnownDeviations
 from kvconform.reference.engine import FollowedSchedule
+from kvconform.reference.errors import InvalidCall
 from kvconform.reference.observation import Observer
 from kvconform.reference.request import RequestStatus
 
@@ -59,6 +60,14 @@ class OffloadingJudge:
     def add_request(self, spec: RequestSpec) -> None:
         with self.referencing():
             self.engine.add_request(spec)
+
+    def prefill(self, spec: RequestSpec) -> None:
+        """Refuse: the reference engine is one engine, and a pair is judged at the disaggregated level alone."""
+        raise InvalidCall("CONF-CAP-1", f"prefill({spec.request_id!r}): the offloading level judges one engine")
+
+    def decode(self, spec: RequestSpec, params: dict[str, Any]) -> None:
+        """Refuse: the reference engine is one engine, and a pair is judged at the disaggregated level alone."""
+        raise InvalidCall("CONF-CAP-1", f"decode({spec.request_id!r}): the offloading level judges one engine")
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         with self.referencing():

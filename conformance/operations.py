@@ -67,6 +67,12 @@ def _completes_transfers(in_step: bool) -> Callable[[Capabilities, tuple[Any, ..
     return gate
 
 
+def _disaggregated(what: str) -> Callable[[Capabilities, tuple[Any, ...]], str | None]:
+    """Return the gate of an operation of a producer/consumer pair: the adapter reports the disaggregated level."""
+    return lambda capabilities, args: None if "disaggregated" in capabilities.levels else (
+        f"{what}, and the adapter's levels {capabilities.levels} lack 'disaggregated': it drives one engine")
+
+
 def _resets_connector(capabilities: Capabilities, args: tuple[Any, ...]) -> str | None:
     if args[0] and not capabilities.reset_connector:
         return "reset_prefix_cache(reset_connector=True), and the adapter reports reset_connector=False"
@@ -88,6 +94,11 @@ class Operation:
 OPERATIONS = {operation.name: operation for operation in (
     Operation("start", (Parameter("config", EngineConfig),), spread=True),
     Operation("add_request", (Parameter("request", RequestSpec),), spread=True),
+    Operation("prefill", (Parameter("request", RequestSpec),), spread=True,
+              needs=_disaggregated("prefill() on the producer")),
+    Operation("decode", (Parameter("request", RequestSpec), Parameter("prefill_id", str),
+                         Parameter("params", dict, optional=True)),
+              needs=_disaggregated("decode() on the consumer")),
     Operation("step", (Parameter("complete_transfers", TransferOutcome, optional=True),),
               needs=_completes_transfers(in_step=True)),
     Operation("complete_transfers", (Parameter("fail_loads", bool), Parameter("fail_stores", bool)),
@@ -98,7 +109,13 @@ OPERATIONS = {operation.name: operation for operation in (
     Operation("drain"),
 )}
 """The operations of a program: the adapter operations, plus `drain` (complete transfers and step until the engine is
-idle, then check for leaks and liveness)."""
+idle, then check for leaks and liveness).
+
+A pair of engines (the disaggregated level) adds two: `prefill(request)` sends a request to the producer, and
+`decode(request, prefill_id, params)` sends one to the consumer carrying the kv_transfer_params that request
+`prefill_id` returned when it finished, each field of `params` replacing the returned one (a null removes it: a
+malformed forward, PD-PARAMS-2); `add_request` then goes to the consumer without params. Every other operation is
+the pair's: `step` steps both engines (`KVConnectorAdapter`)."""
 
 PARAMETERS = {name: tuple(parameter.name for parameter in operation.parameters)
               for name, operation in OPERATIONS.items()}

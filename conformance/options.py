@@ -17,7 +17,7 @@ from typing import TypeGuard, get_args
 
 from hypothesis.database import ExampleDatabase
 
-from kvconform.adapters.contract import TENSOR_PARALLEL_VARIABLE, KVConnectorAdapter
+from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.registry import AdapterNotFound, available, resolve
 from kvconform.common.values import Capabilities
 from kvconform.conformance import baseline, examples, report, runner
@@ -61,6 +61,8 @@ class RunOptions:
     """Where failing examples are kept and replayed from (CONF-RUN-5); None for none."""
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     """Seconds a drain waits for a connector on its own clock to go idle (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1)."""
+    tensor_parallel_size: int | None = None
+    """Ranks per engine of a pair's run (`--tensor-parallel-size`); None: the state machine draws it (PD-TP-1)."""
 
     @property
     def rare_known_failures(self) -> frozenset[str]:
@@ -81,23 +83,16 @@ class RunOptions:
         return lines + ([f"warning: {self.unverified}"] if self.unverified else [])
 
 
-TENSOR_PARALLEL_OPTION = "--tensor-parallel-size"
-"""How many tensor-parallel ranks run each engine's worker side, each holding its share of the KV heads (vLLM's own
-flag name; `--kv-tensor-parallel-size` in pytest); passed to the adapter in `TENSOR_PARALLEL_VARIABLE`."""
-
-CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST",
-                       TENSOR_PARALLEL_VARIABLE)
-"""Where the connector that `vllm-connector` builds is named: set by --connector, --connector-config,
---connector-manifest and --tensor-parallel-size (--kv-connector… in pytest), read by the adapter, also in
-pytest-xdist workers."""
+CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST")
+"""Where the connector that `vllm-connector` builds is named: set by --connector, --connector-config and
+--connector-manifest (--kv-connector… in pytest), read by the adapter, also in pytest-xdist workers."""
 
 
-def select_connector(*values: str | int | None) -> None:
-    """Name the connector, its config, its manifest and the tensor-parallel size for `vllm-connector`; values not
-    given are left as set."""
+def select_connector(*values: str | None) -> None:
+    """Name the connector, its config and its manifest for `vllm-connector`; values not given are left as set."""
     for variable, value in zip(CONNECTOR_VARIABLES, values, strict=False):
         if value is not None:
-            os.environ[variable] = str(value)
+            os.environ[variable] = value
 
 
 def is_scheduling(name: str) -> TypeGuard[Scheduling]:
@@ -115,7 +110,8 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
             known_failures_path: Path | None = None, report_path: Path | None = None,
             junit_path: Path | None = None, certify: bool = False,
             database: str = examples.DEFAULT_DATABASE,
-            drain_timeout: float | str = DEFAULT_DRAIN_TIMEOUT) -> RunOptions:
+            drain_timeout: float | str = DEFAULT_DRAIN_TIMEOUT,
+            tensor_parallel_size: int | None = None) -> RunOptions:
     """Return the checked options of a run, or raise UsageProblem naming the first mistake.
 
     `database` is a directory, a Redis URL or `none` (`examples.open_database`)."""
@@ -138,6 +134,10 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
     factory, capabilities, version, behaviours = _probe(adapter_spec, call_timeout)
     if scheduling == "async" and not capabilities.async_scheduling:
         raise UsageProblem(f"adapter {adapter_spec!r} does not support async scheduling (its capabilities say so)")
+    if tensor_parallel_size is not None and tensor_parallel_size not in capabilities.tensor_parallel_sizes:
+        raise UsageProblem(f"adapter {adapter_spec!r} runs tensor-parallel sizes "
+                           f"{', '.join(map(str, capabilities.tensor_parallel_sizes))}, not {tensor_parallel_size} "
+                           "(its capabilities say so)")
     shipped, ships_any = baseline.shipped(adapter_module(adapter_spec), version)
     files = tuple(path for path in (shipped, known_failures_path) if path is not None)
     files = files[:1] if len(files) == 2 and Path(str(files[0])).resolve() == Path(str(files[1])).resolve() else files
@@ -147,7 +147,8 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
                       f"{version.replace(' ', '-')}.txt): a failure may be the release's own, not the adapter's")
     return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout,
                       tuple(_known_failures(*files).listed), tuple(str(path) for path in files), unverified,
-                      behaviours, report_path, junit_path, certify, database_opened, drain_seconds)
+                      behaviours, report_path, junit_path, certify, database_opened, drain_seconds,
+                      tensor_parallel_size)
 
 
 def _known_failures(*paths) -> baseline.Baseline:
@@ -172,7 +173,8 @@ def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard
                         call_timeout=options.call_timeout, scheduling=options.scheduling,
                         baseline=baseline.Baseline(list(options.known_entries), all_rare=shard.count > 1),
                         database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout,
-                        on_shrink=on_shrink)
+                        on_shrink=on_shrink, tensor_parallel_size=options.tensor_parallel_size,
+                        capabilities=options.capabilities)
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures,
                         behaviours=list(options.behaviours), known_failures_files=list(options.known_failures_files))
 
@@ -183,8 +185,9 @@ def run_examples(options: RunOptions) -> ExampleDatabase | None:
     if options.database is None:
         return None
     connector = (os.environ.get(variable, "") for variable in CONNECTOR_VARIABLES)
+    ranks = () if options.tensor_parallel_size is None else (f"tensor-parallel-size {options.tensor_parallel_size}",)
     return examples.RunExamples(options.database, (options.adapter_spec, options.implementation_version,
-                                                   options.scheduling, *connector))
+                                                   options.scheduling, *connector, *ranks))
 
 
 def write_reports(options: RunOptions, run_report: report.RunReport) -> None:

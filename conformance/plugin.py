@@ -33,10 +33,10 @@ OPTION_SEED = "--kv-seed"
 OPTION_CONNECTOR = "--kv-connector"
 OPTION_CONNECTOR_CONFIG = "--kv-connector-config"
 OPTION_CONNECTOR_MANIFEST = "--kv-connector-manifest"
-OPTION_TENSOR_PARALLEL_SIZE = "--kv-tensor-parallel-size"
 OPTION_SCHEDULING = "--kv-scheduling"
 OPTION_CALL_TIMEOUT = "--kv-call-timeout"
 OPTION_DRAIN_TIMEOUT = "--kv-drain-timeout"
+OPTION_TENSOR_PARALLEL_SIZE = "--kv-tensor-parallel-size"
 OPTION_REPORT = "--kv-report"
 OPTION_JUNIT = "--kv-junit"
 OPTION_KNOWN_FAILURES = "--kv-known-failures"
@@ -69,6 +69,7 @@ PREPARE_ARGUMENTS = {
     "scheduling": "kv_scheduling",
     "call_timeout": "kv_call_timeout",
     "drain_timeout": "kv_drain_timeout",
+    "tensor_parallel_size": "kv_tensor_parallel_size",
     "report_path": "kv_report",
     "junit_path": "kv_junit",
     "known_failures_path": "kv_known_failures",
@@ -91,6 +92,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Seconds one adapter call may take before its outcome is reported unknown")
     group.addoption(OPTION_DRAIN_TIMEOUT, dest="kv_drain_timeout", default=None,
                     help="Seconds a drain steps a connector on its own clock until it is idle (as kvconform run)")
+    group.addoption(OPTION_TENSOR_PARALLEL_SIZE, dest="kv_tensor_parallel_size", type=int, default=None,
+                    help="Tensor-parallel ranks per engine (as kvconform run --tensor-parallel-size); drawn from "
+                         "those the adapter runs if not given")
     group.addoption(OPTION_REPORT, dest="kv_report", type=Path, default=None,
                     help="Write the JSON report of the state-machine run here")
     group.addoption(OPTION_JUNIT, dest="kv_junit", type=Path, default=None,
@@ -112,9 +116,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="For vllm-connector: kv_connector_extra_config, JSON")
     group.addoption(OPTION_CONNECTOR_MANIFEST, dest="kv_connector_manifest", default=None,
                     help="For vllm-connector: what the connector claims, a JSON object of Capabilities fields")
-    group.addoption(OPTION_TENSOR_PARALLEL_SIZE, dest="kv_tensor_parallel_size", type=int, default=None,
-                    help="For vllm-connector: worker-side connectors per engine, one per rank, each holding its share "
-                         "of the KV heads (as kvconform run --tensor-parallel-size; default 1)")
 
 
 def isolated(folder: Path) -> list[str]:
@@ -139,8 +140,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from kvconform.conformance import options
 
     options.select_connector(*(config.getoption(dest) for dest in
-                               ("kv_connector", "kv_connector_config", "kv_connector_manifest",
-                                "kv_tensor_parallel_size")))
+                               ("kv_connector", "kv_connector_config", "kv_connector_manifest")))
     given = {keyword: config.getoption(dest) for keyword, dest in PREPARE_ARGUMENTS.items()}
     try:
         config.stash[RUN_OPTIONS] = options.prepare(spec, **{k: v for k, v in given.items() if v is not None})
@@ -176,7 +176,7 @@ def release_arguments(config: pytest.Config) -> list[str]:
     """Return the `kvconform run` arguments the --kv-* options given stand for, for each release's run."""
     names = {**{dest: f"--{dest.replace('_', '-').removeprefix('kv-')}" for dest in PREPARE_ARGUMENTS.values()},
              "kv_adapter": "--adapter", "kv_connector": "--connector", "kv_connector_config": "--connector-config",
-             "kv_connector_manifest": "--connector-manifest", "kv_tensor_parallel_size": "--tensor-parallel-size"}
+             "kv_connector_manifest": "--connector-manifest"}
     arguments = ["--adapter", str(adapter_spec(config))]
     for dest, name in names.items():
         value = config.getoption(dest)

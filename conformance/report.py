@@ -19,7 +19,7 @@ from kvconform.conformance.execution import RunStatistics, Scheduling
 from kvconform.conformance.runner import Outcome, RunResult
 from kvconform.spec import registry
 
-Verdict = Literal["pass", "fail", "not exercised", "known failure", "model-only"]
+Verdict = Literal["pass", "fail", "not exercised", "not applicable", "known failure", "model-only"]
 
 
 class ClauseResult(BaseModel):
@@ -36,6 +36,8 @@ class ClauseResult(BaseModel):
     model_only: str | None = Field(None, description="why no run-time check can judge it (the spec's `Model-only:` "
                                                      "line): it is tested on the reference alone")
     known_failure: str | None = Field(None, description="the first failure seen, for a known failure")
+    not_applicable: str | None = Field(None, description="why nothing this adapter does can exercise it, for a clause "
+                                                         "not applicable (`not_applicable`, CONF-CERT-1)")
 
 
 class RunTimeCoverage(BaseModel):
@@ -48,6 +50,8 @@ class RunTimeCoverage(BaseModel):
     failed: int = Field(description="judged at run time and broken: the run's failed clause")
     known_failures: int = Field(description="judged at run time and listed as known failures")
     not_exercised: int = Field(description="judged at run time, but nothing in this run reached them")
+    not_applicable: int = Field(0, description="judged at run time, but nothing this adapter does can reach them: "
+                                               "ruled out by its manifest, or binding a level the run did not judge")
     model_only: int = Field(description="no run-time check can judge them: tested on the reference alone")
 
     def summary(self) -> str:
@@ -55,7 +59,8 @@ class RunTimeCoverage(BaseModel):
         share = f" ({self.judged_at_run_time / self.must_clauses:.0%})" if self.must_clauses else ""
         return (f"{self.judged_at_run_time}/{self.must_clauses} MUST clauses judged at run time{share}: "
                 f"{self.passed} passed, {self.failed} failed, {self.known_failures} known failures, "
-                f"{self.not_exercised} not exercised; {self.model_only} model-only")
+                f"{self.not_exercised} not exercised, {self.not_applicable} not applicable; {self.model_only} "
+                "model-only")
 
 
 class ShardResult(BaseModel):
@@ -126,7 +131,8 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
           known_failures: dict[str, str] | None = None, behaviours: list[str] | None = None,
           known_failures_files: list[str] | None = None) -> RunReport:
     """Return the report of a run: a verdict for every clause of the spec."""
-    clauses = _verdicts(result.coverage, result.failed_clause, result.known_failures)
+    clauses = _verdicts(result.coverage, result.failed_clause, result.known_failures,
+                        not_applicable(capabilities, result.levels))
     run_report = RunReport(
         kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, behaviours=behaviours or [],
@@ -159,12 +165,14 @@ def run_time_coverage(clauses: list[ClauseResult], levels: Iterable[SpecLevel]) 
     judged = [c.verdict for c in must if c.checked_at_run_time]
     return RunTimeCoverage(must_clauses=len(must), judged_at_run_time=len(judged), passed=judged.count("pass"),
                            failed=judged.count("fail"), known_failures=judged.count("known failure"),
-                           not_exercised=judged.count("not exercised"), model_only=len(must) - len(judged))
+                           not_exercised=judged.count("not exercised"),
+                           not_applicable=judged.count("not applicable"), model_only=len(must) - len(judged))
 
 
-def _verdicts(coverage: dict[str, int], failed_clause: str | None, seen_known_failures: Mapping[str, str | None]
-              ) -> list[ClauseResult]:
-    """Return a verdict for every clause of the spec, from how often each was exercised and what failed."""
+def _verdicts(coverage: dict[str, int], failed_clause: str | None, seen_known_failures: Mapping[str, str | None],
+              ruled_out: Mapping[str, str]) -> list[ClauseResult]:
+    """Return a verdict for every clause of the spec, from how often each was exercised, what failed, and what the
+    adapter cannot exercise (`ruled_out`: clause -> why)."""
     runtime_checked = run_time_clauses()
     clauses = []
     for clause in registry.clauses().values():
@@ -172,11 +180,13 @@ def _verdicts(coverage: dict[str, int], failed_clause: str | None, seen_known_fa
         verdict: Verdict = ("fail" if clause.id == failed_clause else
                             "known failure" if clause.id in seen_known_failures else
                             "model-only" if clause.model_only else
-                            "pass" if count else "not exercised")
+                            "pass" if count else
+                            "not applicable" if clause.id in ruled_out else "not exercised")
         clauses.append(ClauseResult(id=clause.id, requirement=clause.requirement, spec_level=clause.spec_level,
                                     chapter=clause.chapter, verdict=verdict,
                                     exercised=count, checked_at_run_time=clause.id in runtime_checked,
-                                    model_only=clause.model_only, known_failure=seen_known_failures.get(clause.id)))
+                                    model_only=clause.model_only, known_failure=seen_known_failures.get(clause.id),
+                                    not_applicable=ruled_out.get(clause.id) if verdict == "not applicable" else None))
     return clauses
 
 
@@ -202,7 +212,7 @@ def merge(parts: list[RunReport], seed: int | None, rare_known_failures: frozens
     elif stale:
         failure.update(failed_clause="CONF-RUN-2",
                        message=f"known failures that no longer fail (stale baseline entries): {', '.join(stale)}")
-    clauses = _verdicts(coverage, failure["failed_clause"], seen)
+    clauses = _verdicts(coverage, failure["failed_clause"], seen, not_applicable(first.capabilities, first.levels))
     statistics = sum((part.statistics for part in parts if part is not failing),  # found in the failing part
                      RunStatistics() if failing is None else failing.statistics)
     run_report = first.model_copy(update=dict(
@@ -228,10 +238,8 @@ def certification_gaps(run_report: RunReport, level: SpecLevel | None = None) ->
     judged_ids = {c.id for c in judged}
     gaps += [f"{clause}: known failure ({reason})" for clause, reason in sorted(run_report.known_failures.items())
              if clause in judged_ids]
-    ruled_out = not_applicable(run_report.capabilities, run_report.levels)
     gaps += [f"{c.id} ({c.requirement}) was not exercised" for c in judged
-             if c.requirement.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"
-             and c.id not in ruled_out]
+             if c.requirement.startswith("MUST") and c.checked_at_run_time and c.verdict == "not exercised"]
     return gaps
 
 
@@ -245,13 +253,17 @@ LEVEL_RULES: dict[str, SpecLevel] = {"CONF-OBS-2": "offloading"}
 an adapter judged at the offloading level reports (CONF-OBS-2)."""
 
 
-def not_applicable(capabilities: Capabilities, levels: Iterable[SpecLevel]) -> set[str]:
-    """Return the clauses that cannot be exercised for this adapter: those its manifest rules out (what it never does)
-    and the rules of judging of a level the run did not judge. Certifying counts them as not applicable, not as
-    unexercised (CONF-CERT-1)."""
+def not_applicable(capabilities: Capabilities, levels: Iterable[SpecLevel]) -> dict[str, str]:
+    """Return the clauses that cannot be exercised for this adapter, each with why: those of the levels the run did not
+    judge, those its manifest rules out (what it never does) and the rules of judging of a level the run did not
+    judge. Their verdict, unexercised, is "not applicable", which certifying does not require (CONF-CERT-1)."""
     judged = set(levels)
-    return ({clause for never in capabilities.never for clause in NEVER_RULES_OUT[never]}
-            | {clause for clause, level in LEVEL_RULES.items() if level not in judged})
+    return ({clause.id: f"a clause of the {clause.spec_level} level, which this run did not judge"
+             for clause in registry.clauses().values() if clause.spec_level not in (None, *judged)}
+            | {clause: f"the manifest declares never: {never}, which the judge verifies"
+               for never in capabilities.never for clause in NEVER_RULES_OUT[never]}
+            | {clause: f"binds only the {level} level's observations, not judged in this run"
+               for clause, level in LEVEL_RULES.items() if level not in judged})
 
 
 def junit_xml(run_report: RunReport) -> str:
@@ -277,6 +289,8 @@ def junit_xml(run_report: RunReport) -> str:
             ElementTree.SubElement(case, "skipped", message=f"known failure: {run_report.known_failures[clause.id]}")
         elif clause.verdict == "not exercised":
             ElementTree.SubElement(case, "skipped", message="not exercised by this run")
+        elif clause.verdict == "not applicable":
+            ElementTree.SubElement(case, "skipped", message=f"not applicable: {clause.not_applicable}")
         elif clause.verdict == "model-only":
             ElementTree.SubElement(case, "skipped", message=f"model-only: {clause.model_only}")
     root = ElementTree.Element("testsuites")

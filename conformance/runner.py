@@ -14,7 +14,7 @@ from hypothesis.errors import Flaky, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvconform.adapters.contract import KVConnectorAdapter
-from kvconform.common.values import SpecLevel
+from kvconform.common.values import Capabilities, SpecLevel
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
 from kvconform.conformance.checks import ClauseViolation
@@ -81,6 +81,8 @@ def run(
     shard: Shard = Shard(),
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     on_shrink: Callable[[str], None] | None = None,
+    tensor_parallel_size: int | None = None,
+    capabilities: Capabilities | None = None,
 ) -> RunResult:
     """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample.
 
@@ -89,7 +91,8 @@ def run(
     its own seed. A shrink that lasts says how far it got to `on_shrink`, every `shrinker.PROGRESS_SECONDS`.
     """
     baseline = Baseline() if baseline is None else baseline
-    session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example, drain_timeout=drain_timeout)
+    session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example, drain_timeout=drain_timeout,
+                      tensor_parallel_size=tensor_parallel_size, capabilities=capabilities)
     machine = machine_for(session)
     seed = shard.seed(seed)
     if seed is not None:  # @seed also sets database=None on the class's own settings, which the settings below replace

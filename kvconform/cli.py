@@ -35,9 +35,6 @@ CONNECTOR_OPTIONS = (
                  help="For --adapter vllm-connector: kv_connector_extra_config, JSON"),
     click.option("--connector-manifest", default=None,
                  help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields"),
-    click.option(options.TENSOR_PARALLEL_OPTION, "tensor_parallel_size", type=click.IntRange(min=1), default=None,
-                 help="For --adapter vllm-connector: worker-side connectors per engine, one per rank, each holding its "
-                      "share of the KV heads, their outputs aggregated by vLLM's KVOutputAggregator (default 1)"),
 )
 
 
@@ -67,6 +64,9 @@ def _connector_options(command):
 @click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
 @click.option("--scheduling", type=click.Choice(options.SCHEDULINGS), default="both", show_default=True,
               help="Scheduling modes to draw engine configurations from")
+@click.option("--tensor-parallel-size", type=int, default=None,
+              help="Tensor-parallel ranks per engine (vLLM's flag), each with its share of the KV heads; drawn "
+                   "from those the adapter runs if not given")
 @_connector_options
 @click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
 @click.option("--database", default=DEFAULT_DATABASE, show_default=True,
@@ -79,30 +79,29 @@ def _connector_options(command):
                    "is replaced by each release")
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool,
-                scheduling: str, connector: str | None, connector_config: str | None, connector_manifest: str | None,
-                tensor_parallel_size: int | None, verbose: bool, database: str, workers: int,
-                vllm_releases: str | None) -> None:
+                scheduling: str, tensor_parallel_size: int | None, connector: str | None,
+                connector_config: str | None, connector_manifest: str | None,
+                verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
     if vllm_releases is not None:
         given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
                  "--connector": connector, "--connector-config": connector_config,
-                 "--connector-manifest": connector_manifest, options.TENSOR_PARALLEL_OPTION: tensor_parallel_size,
-                 "--database": database, "--workers": workers}
+                 "--connector-manifest": connector_manifest, "--database": database, "--workers": workers,
+                 "--tensor-parallel-size": tensor_parallel_size}
         arguments = [str(item) for name, value in given.items() if value is not None for item in (name, value)]
         _run_releases(vllm_releases, arguments + ["--certify"] * certify, adapter_spec, profile, report_path,
                       junit_path)
-    options.select_connector(connector, connector_config, connector_manifest, tensor_parallel_size)
+    options.select_connector(connector, connector_config, connector_manifest)
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
                               report_path=report_path, junit_path=junit_path, certify=certify, database=database,
-                              drain_timeout=drain_timeout)
+                              drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
-    ranks = f", tensor-parallel size {tensor_parallel_size}" if (tensor_parallel_size or 1) > 1 else ""
-    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}{ranks}, profile {profile}, "
+    console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
                   f"{options.seed_words(seed)}, scheduling {scheduling}")
     for line in run.banner():
         console.print(f"kvconform: {line}", style="yellow" if line.startswith("warning") else None, highlight=False,
@@ -110,7 +109,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
     if workers > 1:
         run_report = _run_in_workers(workers, adapter=adapter_spec, profile=profile, seed=seed,
                                      scheduling=scheduling, call_timeout=call_timeout, database=database,
-                                     drain_timeout=drain_timeout,
+                                     drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size,
                                      known_failures=known_failures_path, report=report_path, junit=junit_path)
         _print_table(_stdout(), run_report, verbose)
     else:
@@ -225,8 +224,8 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         table = Table()
         for column in ("clause", "requirement", "level", "verdict", "exercised"):
             table.add_column(column)
-        style = {"pass": "green", "fail": "bold red", "not exercised": "yellow", "known failure": "magenta",
-                 "model-only": "dim"}
+        style = {"pass": "green", "fail": "bold red", "not exercised": "yellow", "not applicable": "dim",
+                 "known failure": "magenta", "model-only": "dim"}
         for clause in rows:
             table.add_row(clause.id, clause.requirement, clause.spec_level or "every",
                           f"[{style[clause.verdict]}]{clause.verdict}[/]", str(clause.exercised))
@@ -240,10 +239,11 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print("known failures met: " + ", ".join(f"{name} x{count}"
                                                          for name, count in run_report.known_failures_met.items()),
                       highlight=False)
-    ruled_out = report.not_applicable(run_report.capabilities, run_report.levels)
+    ruled_out = [clause.id for clause in report.counted(run_report.clauses, run_report.levels)
+                 if clause.verdict == "not applicable"]
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}"
-                  + (f"; not applicable: {', '.join(sorted(ruled_out))}" if ruled_out else ""), highlight=False)
+                  + (f"; not applicable: {', '.join(ruled_out)}" if ruled_out else ""), highlight=False)
     if run_report.outcome == "ok":
         console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.statistics.steps} steps judged"
                       + (f", {run_report.statistics.steps_after_known_failure} of them after a known failure"
@@ -281,8 +281,7 @@ def _usage_error(message: str) -> None:
               default=None, help="File of 'CLAUSE-ID: reason' lines: failing one is reported, not fatal")
 @_connector_options
 def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: float, known_failures_path: Path | None,
-                   connector: str | None, connector_config: str | None, connector_manifest: str | None,
-                   tensor_parallel_size: int | None) -> None:
+                   connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
     """Run scenarios (JSON files with `ops`, or the names of bundled ones) and counterexamples (the program of a JSON
     report, or a JSON list of operations) on an adapter, each on a fresh instance from one factory (an engine such as
     vLLM is imported once) and as `kvconform run` runs its examples: one verdict each; the exit status is the worst
@@ -295,13 +294,12 @@ def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: fl
         replays = [_replayable(source) for source in sources]  # every file checked before the adapter is imported
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
         _usage_error(str(error))
-    options.select_connector(connector, connector_config, connector_manifest, tensor_parallel_size)
+    options.select_connector(connector, connector_config, connector_manifest)
     try:
         run = options.prepare(adapter_spec, call_timeout=call_timeout, known_failures_path=known_failures_path)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
-    given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest,
-             "tensor-parallel size": tensor_parallel_size}
+    given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest}
     click.echo(f"kvconform: adapter {adapter_spec} {run.implementation_version}, "
                + "".join(f"{name} {value}, " for name, value in given.items() if value is not None)
                + f"call timeout {call_timeout:g}s", err=True)

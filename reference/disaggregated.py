@@ -9,7 +9,8 @@ producer's blocks and notifies it; the producer frees its blocks on the notifica
 
 Each engine has `world_size` ranks (tensor parallelism): rank r holds and moves only its share of the KV
 heads, the columns `heads(r)` of a token's KV row, and reports its own finished ids; the engine sees a request
-finished only once every rank reported it, as vLLM's `KVOutputAggregator` counts (`Aggregator`). Time is the
+finished only once every rank reported it, as vLLM's `KVOutputAggregator` counts (`Aggregator`). The consumer's
+rank r reports its reads r steps after rank 0, as ranks on their own threads do, so that the count matters. Time is the
 producer's steps, so the pair is deterministic: transfers complete when the harness completes them.
 """
 
@@ -24,7 +25,9 @@ import torch
 from kvconform.reference.errors import InvalidCall
 
 LEASE_STEPS = 8
-"""Producer steps a delayed free waits for the consumer's notification before the lease ends it."""
+"""Producer steps a delayed free waits for the consumer's notification before the lease ends it: short enough that a
+drain (`execution.DRAIN_STEP_LIMIT` steps) outlasts the holds of the most requests a program keeps live, one after
+another where the pool holds one at a time."""
 
 REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids")
 """What a consumer's params must carry, besides `do_remote_prefill`, to load (PD-PARAMS-2)."""
@@ -97,6 +100,8 @@ class Held:
     expires: int
     notified: set[int] = field(default_factory=set)
     """Consumer ranks that notified their read."""
+    reported: set[int] = field(default_factory=set)
+    """Producer ranks that reported the hold ended: each reports it once (PD-TP-1)."""
 
 
 class ProducerConnector:
@@ -109,6 +114,8 @@ class ProducerConnector:
         self.clock = 0
         self.held: dict[str, Held] = {}
         self.aggregator = Aggregator(world_size)
+        self.rank_outputs: list[RankOutput] = []
+        """Each rank's report of the latest step, before aggregation."""
         transport.register(self)
 
     def request_finished(self, request_id: str, block_ids: list[int], params: dict[str, Any] | None,
@@ -134,10 +141,12 @@ class ProducerConnector:
         for request_id, held in list(self.held.items()):
             expired = self.clock >= held.expires
             for rank, output in enumerate(outputs):
-                if expired or rank in held.notified:
+                if (expired or rank in held.notified) and rank not in held.reported:
+                    held.reported.add(rank)
                     output.finished_sending.add(request_id)
             if expired or len(held.notified) == self.world_size:
                 del self.held[request_id]
+        self.rank_outputs = outputs
         return self.aggregator.aggregate(outputs)
 
     def read(self, request_id: str, block_ids: Sequence[int], columns: slice) -> torch.Tensor | None:
@@ -166,7 +175,11 @@ class ConsumerConnector:
         self.pending: dict[str, Load] = {}
         self.in_flight: dict[str, Load] = {}
         self.completed: list[RankOutput] = [RankOutput() for _ in range(world_size)]
+        self.lagging: list[list[RankOutput]] = [[RankOutput() for _ in range(rank)] for rank in range(world_size)]
+        """Per rank, the reports it has made and not yet delivered: rank r's reach `get_finished` r calls late."""
         self.aggregator = Aggregator(world_size)
+        self.rank_outputs: list[RankOutput] = []
+        """Each rank's report delivered by the latest `get_finished`, before aggregation."""
 
     @staticmethod
     def valid(params: dict[str, Any] | None) -> bool:
@@ -193,27 +206,40 @@ class ConsumerConnector:
         self.in_flight.update(self.pending)
         self.pending = {}
 
+    def read_columns(self, rank: int) -> slice:
+        """Return the columns of the producer's KV rows that rank `rank` reads: its own heads (PD-TP-1)."""
+        return heads(rank, self.world_size, self.gpu.shape[2])
+
     def complete_transfers(self, fail: bool) -> None:
         """Complete every read in flight: each rank copies its own heads and notifies the producer; a read of an
-        unknown engine, of blocks not held, or one failed on purpose is reported failed (PD-FAIL-1, PD-TP-1)."""
+        unknown engine, of blocks not held, or one failed on purpose — in transit on rank 0, the ranks after it
+        completing theirs — is reported failed (PD-FAIL-1, PD-TP-1)."""
         for request_id, load in sorted(self.in_flight.items()):
             producer = self.transport.producers.get(load.params["remote_engine_id"])
             for rank, output in enumerate(self.completed):
-                columns = heads(rank, self.world_size, self.gpu.shape[2])
-                rows = None if producer is None or fail else producer.read(
-                    load.params["remote_request_id"], load.remote_block_ids, columns)
+                rows = None if producer is None or (fail and rank == 0) else producer.read(
+                    load.params["remote_request_id"], load.remote_block_ids, self.read_columns(rank))
                 if producer is None or rows is None:
                     output.failed_recving.add(request_id)
                 else:
-                    self.gpu[load.local_block_ids, :, columns] = rows
+                    self.gpu[load.local_block_ids, :, heads(rank, self.world_size, self.gpu.shape[2])] = rows
                     self.transport.notifications[producer.engine_id].append((load.params["remote_request_id"], rank))
                 output.finished_recving.add(request_id)
         self.in_flight = {}
 
     def get_finished(self) -> RankOutput:
-        """Return the receives every rank has reported since the last call (PD-ONCE-1, PD-TP-1)."""
-        outputs, self.completed = self.completed, [RankOutput() for _ in range(self.world_size)]
-        return self.aggregator.aggregate(outputs)
+        """Return the receives every rank has reported since the last call, rank r's delivered r calls late
+        (PD-ONCE-1, PD-TP-1)."""
+        for rank, output in enumerate(self.completed):
+            self.lagging[rank].append(output)
+        self.completed = [RankOutput() for _ in range(self.world_size)]
+        self.rank_outputs = [reports.pop(0) for reports in self.lagging]
+        return self.aggregator.aggregate(self.rank_outputs)
+
+    def reports_pending(self) -> bool:
+        """Return True while a rank has a report not yet delivered."""
+        return any(output.finished_recving or output.failed_recving
+                   for reports in (self.completed, *self.lagging) for output in reports)
 
     def abort(self, request_id: str) -> None:
         """Drop a planned read that has not started; one in flight still completes and is reported (PD-ABORT-1)."""

@@ -244,7 +244,7 @@ class Engine:
         device: torch.device | None = None,
         *,
         kv: Callable[[int, int], KVCacheManager] = KVCacheManager,
-        manager: Callable[[int, str], OffloadManager] = OffloadManager,
+        manager: Callable[[int, str, bool], OffloadManager] = OffloadManager,
         connector: Callable[[OffloadManager, EngineConfig, StepRecorder], OffloadConnectorScheduler] = (
             OffloadConnectorScheduler),
         worker: Callable[[TransferEngine], OffloadConnectorWorker] = OffloadConnectorWorker,
@@ -255,7 +255,7 @@ class Engine:
         self.config = config
         self.kv = kv(config.num_gpu_blocks, config.block_size)
         self.recorder = StepRecorder()
-        self.manager = manager(config.num_offload_blocks, config.eviction_policy)
+        self.manager = manager(config.num_offload_blocks, config.eviction_policy, config.arc_t1_fallback)
         self.connector = connector(self.manager, config, self.recorder)
         self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
                                        config.block_size_factor, config.token_width, config.kv_dtype, device)

@@ -95,10 +95,12 @@ class LRUPolicy:
 
 
 class ARCPolicy:
-    """OFF-ARC-1: adaptive replacement between a recency list T1 and a frequency list T2."""
+    """OFF-ARC-1: adaptive replacement between a recency list T1 and a frequency list T2; with `t1_fallback`, a T1
+    victim where T1 is under its target and T2 has none (OFF-ARC-4's variant)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, t1_fallback: bool = False) -> None:
         self.capacity = capacity
+        self.t1_fallback = t1_fallback
         self.target_t1 = 0.0
         self.t1: OrderedDict[OffloadKey, StoredBlock] = OrderedDict()
         self.t2: OrderedDict[OffloadKey, StoredBlock] = OrderedDict()
@@ -134,7 +136,8 @@ class ARCPolicy:
                 self.b2.move_to_end(key)
 
     def choose(self, count: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
-        """Pick victims from T1 while it is at or above target, else from T2 (OFF-ARC-4); None if short."""
+        """Pick victims from T1 while it is at or above target, else from T2, else (with `t1_fallback`) from T1
+        (OFF-ARC-4); None if short."""
         chosen: list[OffloadKey] = []
         t1_size = len(self.t1)
         for _ in range(count):
@@ -145,8 +148,12 @@ class ARCPolicy:
                     t1_size -= 1
             if victim is None:
                 victim = self._first_idle(self.t2, protected, chosen)
-                if victim is None:
-                    return None
+            if victim is None and self.t1_fallback:
+                victim = self._first_idle(self.t1, protected, chosen)
+                if victim is not None:
+                    t1_size -= 1
+            if victim is None:
+                return None
             chosen.append(victim)
         return chosen
 
@@ -186,21 +193,24 @@ class ARCPolicy:
         self.target_t1 = 0.0
 
 
-POLICIES: dict[str, type[LRUPolicy | ARCPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
-
-
 @dataclass
 class OffloadManager:
     """The scheduler-side index of the offload store (OFF-MGR-1 to OFF-MGR-9)."""
 
     num_slots: int
     policy_name: str = "lru"
+    arc_t1_fallback: bool = False
+    """The arc policy's variant (OFF-ARC-4): `EngineConfig.arc_t1_fallback`."""
     events: list[StoreEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.policy_name not in POLICIES:
+        self.policy: LRUPolicy | ARCPolicy
+        if self.policy_name == "lru":
+            self.policy = LRUPolicy(self.num_slots)
+        elif self.policy_name == "arc":
+            self.policy = ARCPolicy(self.num_slots, self.arc_t1_fallback)
+        else:
             raise InvalidCall("OFF-MGR-1", f"unknown eviction policy {self.policy_name!r}")
-        self.policy = POLICIES[self.policy_name](self.num_slots)
         self.free_slots: list[int] = list(range(self.num_slots - 1, -1, -1))
         self.num_evictable = 0
 

@@ -104,10 +104,11 @@ def test_the_offloading_judge_follows_the_reference_it_is_given() -> None:
     assert replay(Session(ReferenceAdapter, reference=FinishesEarlyEngine), program).violation.clause == "LIFE-FIN-1"
 
 
+@pytest.mark.parametrize("profile", ["smoke", pytest.param("ci", marks=pytest.mark.long)])
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
-def test_reference_conforms_at_the_connector_level_alone(scheduling: str) -> None:
-    """The reference passes the ci profile judged as a black box, and the run says which level it judged."""
-    result = runner.run(black_box(ReferenceAdapter), "reference", "ci", scheduling=scheduling)
+def test_reference_conforms_at_the_connector_level_alone(scheduling: str, profile: str) -> None:
+    """The reference passes judged as a black box, and the run says which level it judged."""
+    result = runner.run(black_box(ReferenceAdapter), "reference", profile, scheduling=scheduling)
     assert result.passed, f"[{result.failed_clause}] {result.message}\n{result.counterexample}"
     assert result.levels == ("connector",)
     assert not any(clause.startswith(("OFF-", "XFER-", "SCHED-")) for clause in result.coverage)

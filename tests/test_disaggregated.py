@@ -43,8 +43,9 @@ def test_consumer_loads_the_producers_kv_and_frees_it(world_size: int) -> None:
     consumer.start_load_kv()
     assert producer.step().finished_sending == set()  # held until the read
     consumer.complete_transfers(fail=False)
-    done = consumer.get_finished()
-    assert done.finished_recving == {"d0"} and not done.failed_recving
+    reports = [consumer.get_finished() for _ in range(world_size)]  # rank r reports r calls late
+    assert [report.finished_recving for report in reports] == [set()] * (world_size - 1) + [{"d0"}]
+    assert not reports[-1].failed_recving and not consumer.reports_pending()
     assert torch.equal(consumer.gpu[[5, 6]], producer.gpu[[2, 3]])
     assert consumer.get_finished().finished_recving == set()  # exactly once (PD-ONCE-1)
     assert producer.step().finished_sending == {"p0"} and not producer.held
@@ -58,6 +59,7 @@ def test_failed_or_misdirected_reads_are_reported_failed() -> None:
     consumer.update_state_after_alloc("d1", [1, 4], 0, {**params, "remote_block_ids": [2, 7]})
     consumer.start_load_kv()
     consumer.complete_transfers(fail=False)
+    consumer.get_finished()
     done = consumer.get_finished()
     assert done.finished_recving == done.failed_recving == {"d0", "d1"}
     assert not consumer.gpu.any()

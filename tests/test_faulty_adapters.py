@@ -100,6 +100,19 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
     assert message in stderr and "Traceback" not in stderr, stderr
 
 
+def test_an_adapter_module_in_the_current_directory_is_found(tmp_path: Path) -> None:
+    """`--adapter module:factory` finds the module in the current directory, as `python -m` would: a vendor's adapter
+    file next to where the vendor runs `kvconform run`."""
+    (tmp_path / "vendor_adapter_here.py").write_text(
+        "from kvconform.adapters.reference import ReferenceAdapter\n\ndef make():\n    return ReferenceAdapter()\n")
+    script = Path(sys.executable).with_name("kvconform")  # the console script: unlike `python -m`, no "" on the path
+    completed = subprocess.run([str(script), "run", "--adapter", "vendor_adapter_here:make",
+                                "--profile", "smoke", "--scheduling", "sync", "--database", "none"],
+                               capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert completed.returncode == 0 and "conformant" in completed.stdout, completed.stdout + completed.stderr
+
+
 def test_hung_adapter_still_ends_with_a_report(tmp_path: Path) -> None:
     """CONF-CALL-2: a hung call ends the run as an unknown outcome and the report is still written."""
     path = tmp_path / "report.json"

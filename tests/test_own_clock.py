@@ -398,6 +398,12 @@ def test_certify_counts_the_clauses_a_manifest_rules_out_as_not_applicable() -> 
     assert any(gap.startswith("KVC-FAIL-1") for gap in gaps)
     assert not any(gap.startswith("KVC-FAIL-1") for gap in report.certification_gaps(ruled_out))
     assert any(gap.startswith("KVC-FREE-1") for gap in report.certification_gaps(ruled_out))
+    verdicts = {clause.id: clause for clause in ruled_out.clauses}
+    fail_1 = verdicts["KVC-FAIL-1"]
+    assert fail_1.verdict == "not applicable" and "never: fails_load" in (fail_1.not_applicable or "")
+    assert verdicts["KVC-FREE-1"].verdict == "not exercised"
+    assert ruled_out.run_time_coverage.not_applicable == 2, "KVC-FAIL-1, and CONF-OBS-2 of an unjudged level"
+    assert 'message="not applicable: the manifest declares never: fails_load' in report.junit_xml(ruled_out)
     assert not any(gap.startswith("CONF-OBS-2") for gap in gaps), "BlockRefs are the offloading level's"
     both_levels = runner.RunResult(adapter="a", profile="ci", seed=None, passed=True, seconds=1.0,
                                    levels=("connector", "offloading"))

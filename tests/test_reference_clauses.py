@@ -398,6 +398,22 @@ def test_arc_evict_is_atomic():
     assert list(policy.t1) == [K[0], K[1]] and not policy.b1
 
 
+def test_arc_t1_fallback_takes_a_t1_victim_where_t2_has_none():
+    """OFF-ARC-4: T1 under its target and no T2 block: the spec's ARC refuses the store, its variant `arc_t1_fallback`
+    takes T1's oldest evictable block (vLLM 0.30+), into B1, as the engine configures it."""
+    for fallback in (False, True):
+        manager = Engine(EngineConfig(eviction_policy="arc", num_offload_blocks=2, arc_t1_fallback=fallback)).manager
+        stored(manager, K[0], K[1])
+        manager.touch([K[0]])  # K0 to T2, pinned by a load: T2 has no evictable block
+        manager.prepare_load([K[0]])
+        manager.policy.target_t1 = 2.0  # T1's one block is under its target
+        taken = manager.prepare_store([K[2]])
+        if not fallback:
+            assert taken is None and list(manager.policy.t1) == [K[1]]
+        else:
+            assert taken.evicted == [K[1]] and taken.keys_to_store == [K[2]] and list(manager.policy.b1) == [K[1]]
+
+
 def test_followed_victims_are_taken_where_the_arc_policy_finds_too_few():
     """CONF-RUN-2: victims of a known OFF-ARC-1 deviation are taken also where the spec's ARC finds none (T1 under
     its target, T2's only block pinned by a load, as vLLM 0.32's ARC falls back to T1): the store goes on, and the

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from faulty_adapters import faulty, hanging, negative_tokens, raising
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.adapters.reference_pd import ReferencePDAdapter
 from kvconform.cli import main
 from kvconform.common.values import EngineConfig
 from kvconform.conformance import scenarios
@@ -97,6 +98,7 @@ SCENARIO_MUTANTS = {
     "decoded-prefix-reloaded": ("decoded-blocks-not-offloaded", "OFF-STORE-1"),
     "connector-reset-empties-store": ("reset-keeps-store", "OFF-LOOKUP-2"),
     "idle-engine-holds-no-blocks": ("leaks-block-on-abort-black-box", "KVC-LEAK-1"),
+    "prefilled-request-decoded": ("pd-notification-lost", "PD-NOTIFY-1"),
 }
 """Each bundled scenario with a mutant that puts back the bug it illustrates, and the clause it fails: the scenario's
 negative control. Run through the state machine's execution, every check of each level the mutant reports judges
@@ -110,7 +112,9 @@ def test_every_bundled_scenario_has_a_mutant_it_fails():
 
 @pytest.mark.parametrize("name", scenarios.bundled())
 def test_the_reference_meets_every_bundled_scenario(name):
-    scenarios.load(name).run(ReferenceAdapter())
+    """The reference meets every bundled scenario; the reference pair, those of the disaggregated level."""
+    scenario = scenarios.load(name)
+    scenario.run(ReferencePDAdapter() if scenario.level == "disaggregated" else ReferenceAdapter())
 
 
 @pytest.mark.parametrize("name", scenarios.bundled())
@@ -289,8 +293,7 @@ def test_one_replay_runs_several_scenarios_one_line_each_worst_status_last(tmp_p
 
 
 def test_replay_takes_and_echoes_the_connector_options(monkeypatch):
-    """`--connector`, `--connector-config`, `--connector-manifest`, `--tensor-parallel-size` as `kvconform run` takes
-    them (issue 22, item 6; issue 23, item 3)."""
+    """`--connector`, `--connector-config`, `--connector-manifest` as `kvconform run` takes them (issue 22, item 6)."""
     from kvconform.conformance import options
 
     for variable in options.CONNECTOR_VARIABLES:
@@ -299,11 +302,11 @@ def test_replay_takes_and_echoes_the_connector_options(monkeypatch):
     monkeypatch.setattr(options, "select_connector", lambda *values: seen.setdefault("values", values))
     result = CliRunner().invoke(main, ["replay", "tenant-isolation", "--adapter", "reference", "--connector",
                                        "mymod:MyConnector", "--connector-config", '{"size": 1}',
-                                       "--connector-manifest", '{"preemption": false}', "--tensor-parallel-size", "2"])
+                                       "--connector-manifest", '{"preemption": false}'])
     assert result.exit_code == 0, result.output
-    assert seen["values"] == ("mymod:MyConnector", '{"size": 1}', '{"preemption": false}', 2)
-    assert ('connector mymod:MyConnector, connector config {"size": 1}, connector manifest {"preemption": false}, '
-            'tensor-parallel size 2') in result.stderr
+    assert seen["values"] == ("mymod:MyConnector", '{"size": 1}', '{"preemption": false}')
+    assert 'connector mymod:MyConnector, connector config {"size": 1}, connector manifest {"preemption": false}' \
+           in result.stderr
 
 
 @pytest.mark.parametrize("name", scenarios.bundled())

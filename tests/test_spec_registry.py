@@ -164,11 +164,14 @@ def test_clause_ids_cited_in_spec_text_exist():
 
 def test_pytest_tests_cite_their_clause():
     """Every reference test a clause lists names that clause in its docstring's first line."""
+    trees: dict[str, ast.Module] = {}
     for clause in CLAUSES.values():
         for name in clause.checks:
             if "::" in name:
                 path, function = name.split("::", 1)
-                tree = ast.parse((ROOT / path).read_text())
+                if path not in trees:
+                    trees[path] = ast.parse((ROOT / path).read_text())
+                tree = trees[path]
                 node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
                 first = (ast.get_docstring(node) or "").splitlines()[:1]
                 assert first and clause.id in first[0], \

@@ -528,19 +528,10 @@ def test_black_box_seam_saves_and_reports_the_connector_level_only(connector_env
 # --- vllm-connector with tensor parallelism: one worker-side connector per rank ----------------------
 
 
-def ranked_adapter(name: str, ranks: int) -> type:
-    """Return `vllm-connector` with connector `name` and `ranks` tensor-parallel ranks selected, as `--connector NAME
-    --tensor-parallel-size RANKS` select them (the fixture `connector_environment` forgets both)."""
-    options.select_connector(name, None, None, ranks)
-    from kvconform.adapters.vllm.connector import VllmConnectorAdapter
-
-    return VllmConnectorAdapter
-
-
-def save_and_load_program() -> list[Call]:
-    """Return a program that saves a prompt, resets the local prefix cache and loads the prompt back: the loaded bytes
-    are judged (KVC-DATA-1)."""
-    program = [Call("start", (EngineConfig(block_size_factor=1),))]
+def save_and_load_program(ranks: int) -> list[Call]:
+    """Return a program that saves a prompt, resets the local prefix cache and loads the prompt back with `ranks`
+    tensor-parallel ranks: the loaded bytes are judged (KVC-DATA-1)."""
+    program = [Call("start", (EngineConfig(block_size_factor=1, tensor_parallel_size=ranks),))]
     for request_id in ("fill", "read"):
         program += [Call("add_request", (RequestSpec(request_id=request_id, prompt=(0, 1, 2, 3) * 6, max_tokens=3),)),
                     Call("drain"), Call("reset_prefix_cache", (False,))]
@@ -560,10 +551,10 @@ def test_each_rank_moves_its_own_heads(connector_environment: None, monkeypatch:
     a rank that copies another rank's heads (the mutant) the same program fails KVC-DATA-1."""
     from kvconform.adapters.vllm.engine import VllmAdapter
 
-    adapter = ranked_adapter("OffloadingConnector", 2)
-    program = save_and_load_program()
+    adapter = connector_adapter("OffloadingConnector")
+    program = save_and_load_program(2)
     probe = adapter()
-    probe.start(EngineConfig(block_size_factor=1))
+    probe.start(program[0].args[0])
     assert [kv.gpu.shape[2] for kv in probe.kv.ranks] == [4, 4] and probe.worker is probe.ranks[0].worker
     assert probe.ranks[1].worker is not probe.worker and probe.aggregator._expected_finished_count == 2
     probe.close()
@@ -573,15 +564,53 @@ def test_each_rank_moves_its_own_heads(connector_environment: None, monkeypatch:
     assert violation is not None and violation.clause == "KVC-DATA-1", violation
 
 
+class LaggingRank(transfers.RankedTransfers):
+    """A slower rank 1: a transfer finishes on rank 1 only at the second completion after rank 0 finished it, when
+    rank 0's report has reached the scheduler and the request could run. Transfers succeed (no failure is drawn)."""
+
+    def __init__(self, kv_tensors: Any) -> None:
+        super().__init__(kv_tensors)
+        self.waited: Counter[int] = Counter()
+
+    def complete(self, fail_loads: bool = False, fail_stores: bool = False) -> None:
+        self.ranks[0].complete(fail_loads, fail_stores)
+        lagging = self.ranks[1]
+        self.waited.update(list(lagging.held))
+        lagging.wait(job for job, completions in self.waited.items() if completions > 2)
+
+
+def one_rank_aggregator(adapter: Any) -> Any:
+    """A broken aggregation (the mutant): a transfer counts as finished once one rank reported it."""
+    return adapter.rt.load("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator(1)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_load_is_finished_only_when_every_rank_reported_it(connector_environment: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """OffloadingConnector with two ranks, rank 1 a completion behind rank 0: vLLM's KVOutputAggregator holds the
+    request until both ranks loaded, and the program passes. Aggregation that counts one rank (the mutant) lets the
+    request run on rank 1's missing heads: KVC-DATA-1 names rank 1."""
+    from kvconform.adapters.vllm.engine import VllmAdapter
+
+    adapter, program = connector_adapter("OffloadingConnector"), save_and_load_program(2)
+    monkeypatch.setattr(VllmAdapter, "held_transfers", lambda self: LaggingRank(self.kv.ranks))
+    assert replay(Session(adapter), program).violation is None
+    monkeypatch.setattr(VllmAdapter, "output_aggregator", one_rank_aggregator)
+    violation = replay(Session(adapter), program).violation
+    assert violation is not None and violation.clause == "KVC-DATA-1", violation
+    assert "the heads of rank(s) [1]" in violation.detail, violation
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_example_connector_ranks_overwrite_each_others_files(connector_environment: None) -> None:
     """vLLM 0.34.0's ExampleConnector names a saved file by its tokens and layer, not its rank
     (example_connector.py:411-423 `_generate_filename_debug`): with two ranks, rank 1's save overwrites rank 0's and
     both load rank 1's heads (KVC-DATA-1); with one rank the same program passes."""
-    program = save_and_load_program()
-    assert replay(Session(ranked_adapter("ExampleConnector", 1)), program).violation is None
-    violation = replay(Session(ranked_adapter("ExampleConnector", 2)), program).violation
+    adapter = connector_adapter("ExampleConnector")
+    assert replay(Session(adapter), save_and_load_program(1)).violation is None
+    violation = replay(Session(adapter), save_and_load_program(2)).violation
     assert violation is not None and violation.clause == "KVC-DATA-1", violation
 
 
@@ -607,23 +636,15 @@ def test_parallel_state_answers_the_rank_that_runs(monkeypatch: pytest.MonkeyPat
     assert restored is parallel_state.get_tensor_model_parallel_rank
 
 
-@pytest.mark.parametrize("arguments, size, message", [
-    (["--connector", "ExampleConnector"], "two", "must be a whole number of ranks, 1 or more, not 'two'"),
-    (["--connector", "LMCacheConnectorV1", "--tensor-parallel-size", "2"], None, "real tensor-parallel process group"),
-])
-def test_a_tensor_parallel_size_refused_is_one_line_exit_2(connector_environment: None,
-                                                           monkeypatch: pytest.MonkeyPatch, arguments: list[str],
-                                                           size: str | None, message: str) -> None:
-    """A size that is no number of ranks (`--kv-tensor-parallel-size` or the environment; `kvconform run` takes whole
-    numbers from 1 only), or ranks for a connector that needs a real process group, is refused before the run: one
-    line, exit 2, no traceback, no vLLM needed to say so."""
-    if size is not None:
-        monkeypatch.setenv(options.TENSOR_PARALLEL_VARIABLE, size)
-    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--profile", "smoke", *arguments])
-    assert result.exit_code == 2 and message in result.stderr, result.stderr
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("size", ["3", "0"])
+def test_a_tensor_parallel_size_refused_is_one_line_exit_2(connector_environment: None, size: str) -> None:
+    """A size the adapter does not run is refused before the run: one line, exit 2, no traceback."""
+    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--connector", "ExampleConnector",
+                                       "--profile", "smoke", "--tensor-parallel-size", size])
+    assert result.exit_code == 2 and f"runs tensor-parallel sizes 1, 2, not {size}" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
-    below_one = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--tensor-parallel-size", "0"])
-    assert below_one.exit_code == 2 and "'--tensor-parallel-size': 0 is not in the range" in below_one.stderr
 
 
 # --- LMCache ------------------------------------------------------------------------------------
@@ -681,8 +702,10 @@ def test_lmcache_absent_is_one_line_exit_2_naming_its_install(connector_environm
 def test_lmcache_reloads_what_it_saved_byte_for_byte(connector_environment: None) -> None:
     """LMCacheConnectorV1 through vllm-connector and the torch copy: a prompt saved, the local prefix cache reset,
     the prompt asked again with two tokens more is offered whole chunks and loads them byte for byte (KVC-SAVE-1's
-    positive control, KVC-HIT-1, KVC-DATA-1)."""
+    positive control, KVC-HIT-1, KVC-DATA-1). It runs one rank: its worker asks for a process group
+    (`get_tp_group()`), which ranks in one process do not have."""
     adapter = connector_adapter("LMCacheConnectorV1")
+    assert adapter().capabilities().tensor_parallel_sizes == (1,)
     assert offered_after_local_reset(adapter(), LMCACHE_PROMPT) == 32
     program = [Call("start", (EngineConfig(block_size_factor=1),)), *LMCACHE_FAULTS[0][1][:3],
                Call("add_request", (RequestSpec(request_id="longer", prompt=LMCACHE_PROMPT + (7, 7),

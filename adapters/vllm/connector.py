@@ -24,15 +24,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvconform.adapters.contract import tensor_parallel_size
-from kvconform.adapters.registry import AdapterNotFound
+from kvconform.adapters.registry import AdapterNotFound, on_path_from_current_directory
 from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
 from kvconform.adapters.vllm.lmcache import LMCacheSeam
 from kvconform.adapters.vllm.offloading import OffloadingSeam
@@ -44,19 +42,16 @@ CONNECTOR_CONFIG = "KVCONFORM_CONNECTOR_CONFIG"
 CONNECTOR_MANIFEST = "KVCONFORM_CONNECTOR_MANIFEST"
 
 DEFAULT_MANIFEST = {"async_scheduling": True, "eviction_policies": ("lru",), "block_size_factors": (1,),
-                    "transfer_failures": False, "reset_connector": False, "harness_completes_transfers": False}
+                    "transfer_failures": False, "reset_connector": False, "harness_completes_transfers": False,
+                    "tensor_parallel_sizes": (1, 2)}
 """What a connector is asked for unless its seam or manifest says more: its store's policy and chunking are its own,
-and so is its clock: its transfers finish when its own threads finish them, unless a seam holds them."""
+and so is its clock: its transfers finish when its own threads finish them, unless a seam holds them. It runs with
+one rank and with two, each holding its share of the KV heads, as vLLM's workers do."""
 
 SEAMS: dict[str, Callable[[VllmAdapter], TransferSeam]] = {"OffloadingConnector": OffloadingSeam,
                                                             "SimpleCPUOffloadConnector": SimpleCPUSeam,
                                                             "LMCacheConnectorV1": LMCacheSeam}
 """The CPU seams of connectors whose workers copy with CUDA, by factory name (`lmcache.py` for LMCache's)."""
-
-NEEDS_PROCESS_GROUP = {"LMCacheConnectorV1": "lmcache_integration/vllm_v1_adapter.py:544 calls get_tp_group()"}
-"""Connectors whose worker side asks for a real tensor-parallel process group, by factory name: refused past one rank
-before the run starts. Any other connector that asks for it fails at its start, saying so
-(`runtime.NeedsProcessGroup`)."""
 
 
 class VllmConnectorAdapter(VllmAdapter):
@@ -70,17 +65,8 @@ class VllmConnectorAdapter(VllmAdapter):
             raise AdapterNotFound(f"vllm-connector needs a connector: --connector NAME|module:Class (or {CONNECTOR})")
         self.connector_config = _json_object(CONNECTOR_CONFIG, os.environ.get(CONNECTOR_CONFIG, "{}"))
         self.manifest = _json_object(CONNECTOR_MANIFEST, os.environ.get(CONNECTOR_MANIFEST, "{}"))
-        try:
-            self.tensor_parallel_size = tensor_parallel_size()
-        except ValueError as error:
-            raise AdapterNotFound(str(error)) from None
         module, _, class_name = self.connector_spec.rpartition(":")
         self.connector_name, self.module_path = class_name, module or None
-        if self.tensor_parallel_size > 1 and self.module_path is None and self.connector_name in NEEDS_PROCESS_GROUP:
-            raise AdapterNotFound(f"{self.connector_name} cannot run with --tensor-parallel-size "
-                                  f"{self.tensor_parallel_size}: its worker needs a real tensor-parallel process group "
-                                  f"({NEEDS_PROCESS_GROUP[self.connector_name]}), and the kit runs the ranks in one "
-                                  "process; run it with --tensor-parallel-size 1")
         if self.module_path is not None:
             _find_module(self.module_path)
         super().__init__()
@@ -154,8 +140,7 @@ class VllmConnectorAdapter(VllmAdapter):
 def _find_module(module: str) -> None:
     """Make `module` importable from the current directory, as `python -m` would, and refuse it before vLLM's slow
     import when it is not there."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    on_path_from_current_directory()
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package missing, or a relative name

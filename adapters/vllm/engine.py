@@ -275,10 +275,6 @@ class VllmAdapter(KVConnectorAdapter):
     """What the GPU prefix cache's own reset last answered (recorded from `start` on): the result a failed
     `reset_prefix_cache` recovers with."""
 
-    tensor_parallel_size: int = 1
-    """The ranks whose worker-side connectors run each step, each holding its share of the KV heads (vLLM's
-    `--tensor-parallel-size`); `vllm-connector` takes it from the run's options."""
-
     def __init__(self) -> None:
         self.rt = runtime.load()
         self._config: EngineConfig | None = None
@@ -384,9 +380,15 @@ class VllmAdapter(KVConnectorAdapter):
         finally:
             self.rank = None
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The ranks whose worker-side connectors run each step, each holding its share of the KV heads (vLLM's
+        `--tensor-parallel-size`, the configuration's)."""
+        return self._config.tensor_parallel_size if self._config is not None else 1
+
     def start(self, config: EngineConfig) -> None:
         self.check_supported(config)
-        ranks = self.tensor_parallel_size
+        ranks = config.tensor_parallel_size
         if config.token_width % (2 * ranks):
             raise ValueError(f"token_width {config.token_width} must be a multiple of {2 * ranks}: each of the "
                              f"{ranks} ranks holds one head, a K and a V half")

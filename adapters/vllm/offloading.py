@@ -43,6 +43,7 @@ class VllmOffloadingAdapter(VllmAdapter):
                             lookup_after_failed_load=(not self.skips_lookup_after_failed_load(),),
                             local_hit_after_failed_load=(not self.reports_failed_loads_by_request(),),
                             restart_offers_on_lookup=(self.restarts_offers_on_lookup(),),
+                            arc_t1_fallback=(arc_falls_back_to_t1(),),
                             reads_stored_kv=True, **self.base_capabilities())
 
     def connector_behaviours(self) -> tuple[str, ...]:
@@ -58,7 +59,7 @@ class VllmOffloadingAdapter(VllmAdapter):
                 self.reports_failed_loads_by_request(),
             "restarts-offers-on-lookup: get_num_new_matched_tokens resets next_stored_chunk_idx (OFF-STORE-7)":
                 self.restarts_offers_on_lookup(),
-            "arc-t1-fallback: ARCCachePolicy.evict takes a T1 victim when T2 has none (OFF-ARC-1)":
+            "arc-t1-fallback: ARCCachePolicy.evict takes a T1 victim when T2 has none (OFF-ARC-4)":
                 arc_falls_back_to_t1(),
         }
         return tuple(name for name, present in found.items() if present)

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import Capabilities, EngineConfig, SpecLevel
+from kvconform.conformance.mutants import disaggregated as pd
 from kvconform.reference.connector import NO_DEVIATIONS, OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine, OwnPolicy
 from kvconform.reference.hashing import block_hashes
@@ -636,9 +638,12 @@ class Mutant:
     levels: tuple[SpecLevel, ...] = ("connector", "offloading")
 
     @property
-    def adapter(self) -> type[ReferenceAdapter]:
+    def adapter(self) -> type[KVConnectorAdapter]:
         """Return a reference adapter whose engine is built with this mutant's part instead of the reference's (or the
-        part, if it is an adapter itself), reporting the spec levels of the row."""
+        part, if it is an adapter itself: a reference pair's, at the disaggregated level), reporting the spec levels
+        of the row."""
+        if "disaggregated" in self.levels:
+            return pd.pair_adapter(self.part)
         adapter = self.part if issubclass(self.part, ReferenceAdapter) else engine_adapter(self.part)
         return adapter if self.levels == Mutant.levels else black_box(adapter)
 
@@ -675,6 +680,11 @@ def row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
 
 def black_box_row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
     return Mutant(part, vllm_ref, clauses, ("connector",))
+
+
+def pair_row(part: type, vllm_ref: str, *clauses: str) -> Mutant:
+    """A row of the disaggregated level: a reference pair whose producer or consumer connector is `part`."""
+    return Mutant(part, vllm_ref, clauses, ("disaggregated",))
 
 
 MUTANTS = {
@@ -738,5 +748,21 @@ MUTANTS = {
     "cross-tenant-hit-black-box": black_box_row(TenantlessKeyConnector, "#44701", "KVC-HIT-1", "KVC-DATA-1"),
     "corrupting-store-black-box": black_box_row(CorruptingStoreWorker, "data integrity", "KVC-DATA-1"),
     "leaks-block-on-abort-black-box": black_box_row(LeaksBlockOnAbortEngine, "no leaks", "KVC-LEAK-1"),
+    # the disaggregated level: a producer/consumer pair joined by the requests' params (chapter `disaggregated`)
+    "pd-frees-before-read": pair_row(pd.ReleasesBeforeReadProducer, "aws-samples/aws-do-eks#84", "PD-HOLD-1"),
+    "pd-lease-never-ends": pair_row(pd.LeaseNeverEndsProducer, "#20139, #41269", "PD-LEASE-1"),
+    "pd-wrong-remote-block-ids": pair_row(pd.WrongRemoteBlocksProducer, "#52232", "PD-PARAMS-1"),
+    "pd-aborted-prefill-held": pair_row(pd.HoldsAbortedProducer, "#25067", "PD-ABORT-1"),
+    "pd-receive-reported-twice": pair_row(pd.ReportsReceiveTwiceConsumer, "#25067", "PD-ONCE-1"),
+    "pd-receive-never-reported": pair_row(pd.NeverReportsConsumer, "#35943", "PD-ONCE-1"),
+    "pd-notification-lost": pair_row(pd.LosesNotificationConsumer, "#46283, #41269", "PD-NOTIFY-1"),
+    "pd-malformed-params-accepted": pair_row(pd.AcceptsMalformedParamsConsumer, "NIXL scheduler contract",
+                                             "PD-PARAMS-2"),
+    "pd-load-ignores-local-hit": pair_row(pd.IgnoresLocalHitConsumer, "#18632, #50558", "PD-LOAD-1"),
+    "pd-failure-reported-as-success": pair_row(pd.FailureReportedAsSuccessConsumer, "#52232", "PD-FAIL-1"),
+    "pd-rank-reads-other-heads": pair_row(pd.ReadsOtherRankHeadsConsumer, "#32375, #23917", "PD-TP-1"),
+    "pd-reads-wrong-blocks": pair_row(pd.ReadsWrongBlocksConsumer, "#28951 (on the P/D read)", "PD-DATA-1"),
+    "pd-aggregates-one-rank": pair_row(pd.OneRankConsumer, "#19330", "PD-TP-1"),
+    "pd-failed-read-lost-in-aggregation": pair_row(pd.ForgetsFailureConsumer, "#52232", "PD-TP-1", "PD-FAIL-1"),
 }
 """Mutant name → catalogue row: first the vLLM bug catalogue of the design notes, then contract and integrity faults."""

@@ -580,7 +580,7 @@ def directive_mutant_catalogue(args: list[str], page: str) -> str:
 
     sections = []
     for name, row in MUTANTS.items():
-        definition = symbol(f"conformance.mutants.{row.part.__name__}")
+        definition = symbol(f"{row.part.__module__.removeprefix('kvconform.')}.{row.part.__name__}")
         sections.append(f"### `{name}`\n\n**{row.vllm_ref}** · observed by {', '.join(row.clauses)}\n\n"
                         f"{definition.doc}\n\n"
                         + definition_block("quote", f"`{row.part.__name__}`", definition, page))

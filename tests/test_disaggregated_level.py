@@ -1,0 +1,127 @@
+"""The disaggregated level (chapter `disaggregated`, issue 23): the reference pair conforms at every tensor-parallel
+size, each P/D mutant fails its own clause on a program that shows its bug, and bad input gets a clear answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.adapters.reference_pd import ReferencePDAdapter
+from kvconform.common.values import EngineConfig, RequestSpec
+from kvconform.conformance import options, runner, scenarios
+from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.execution import Execution, Session, judged_levels
+from kvconform.conformance.mutants import MUTANTS
+from kvconform.conformance.operations import Call
+from kvconform.reference.disaggregated import LEASE_STEPS
+
+PROMPT = (1, 2, 3, 0) * 3
+
+
+def config(size: int = 1, async_scheduling: bool = False) -> EngineConfig:
+    return EngineConfig(block_size=4, num_gpu_blocks=16, block_size_factor=1, tensor_parallel_size=size,
+                        async_scheduling=async_scheduling)
+
+
+def hand_over(size: int = 1, fail: bool = False, steps: int = 3, override: dict | None = None) -> list[Call]:
+    """Return a program that prefills one prompt, forwards its params and completes the read, then steps."""
+    return [Call("start", (config(size),)), Call("prefill", (RequestSpec(request_id="p", prompt=PROMPT),)),
+            Call("step"), Call("decode", (RequestSpec(request_id="d", prompt=PROMPT, max_tokens=3), "p",
+                                          *([override] if override else []))),
+            Call("step"), Call("complete_transfers", (fail, False)), *[Call("step")] * steps]
+
+
+PROGRAMS: dict[str, list[Call]] = {
+    "pd-frees-before-read": [Call("start", (config(),)),
+                             Call("prefill", (RequestSpec(request_id="p", prompt=PROMPT),)), *[Call("step")] * 4],
+    "pd-lease-never-ends": [Call("start", (config(),)), Call("prefill", (RequestSpec(request_id="p", prompt=PROMPT),)),
+                            *[Call("step")] * (LEASE_STEPS + 8)],
+    "pd-wrong-remote-block-ids": hand_over()[:3],
+    "pd-aborted-prefill-held": [Call("start", (config(async_scheduling=True),)),
+                                Call("prefill", (RequestSpec(request_id="p", prompt=PROMPT),)), Call("step"),
+                                Call("abort", ("p",)), Call("step")],
+    "pd-receive-reported-twice": hand_over(),
+    "pd-receive-never-reported": [*hand_over(), Call("drain")],
+    "pd-notification-lost": hand_over(steps=8),
+    "pd-malformed-params-accepted": hand_over(override={"remote_engine_id": None}),
+    "pd-load-ignores-local-hit": [Call("start", (config(),)), Call("add_request", (RequestSpec(request_id="c",
+                                                                                               prompt=PROMPT),)),
+                                  Call("drain"), *hand_over()[1:]],
+    "pd-failure-reported-as-success": hand_over(fail=True),
+    "pd-rank-reads-other-heads": hand_over(size=2),
+    "pd-reads-wrong-blocks": hand_over(),
+    "pd-aggregates-one-rank": hand_over(size=2),
+    "pd-failed-read-lost-in-aggregation": hand_over(size=2, fail=True),
+}
+"""Per P/D mutant, a program that shows its bug; each ends with the pair drained below."""
+
+
+def run(adapter: type, program: list[Call]) -> ClauseViolation | None:
+    """Run `program` and a last drain on a fresh `adapter`; return the violation it ended with, if any."""
+    execution = Execution(Session(adapter))
+    execution.begin()
+    try:
+        for call in [*program, Call("drain")]:
+            execution.apply(call)
+    except ClauseViolation as violation:
+        return violation
+    finally:
+        execution.close()
+    return None
+
+
+def test_every_pair_mutant_has_a_program() -> None:
+    assert set(PROGRAMS) == {name for name, row in MUTANTS.items() if "disaggregated" in row.levels}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_the_reference_pair_passes_what_each_mutant_fails(name: str) -> None:
+    """The program conforms on the reference pair, and the mutant fails it under the first clause its row names."""
+    assert run(ReferencePDAdapter, PROGRAMS[name]) is None
+    violation = run(MUTANTS[name].adapter, PROGRAMS[name])
+    assert violation is not None and violation.clause == MUTANTS[name].clauses[0], (name, violation)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_the_reference_pair_conforms_at_each_tensor_parallel_size(size: int) -> None:
+    """PD-*: the smoke profile passes with every rank count the pair runs, and judges the pair's clauses."""
+    result = runner.run(ReferencePDAdapter, "reference-pd", "smoke", tensor_parallel_size=size)
+    assert result.passed, f"[{result.failed_clause}] {result.message}\n{result.counterexample}"
+    assert result.levels == ("disaggregated",)
+    assert {"PD-PARAMS-1", "PD-HOLD-1", "PD-TP-1", "PD-LEASE-1"} <= {c for c, n in result.coverage.items() if n}
+
+
+def test_the_bundled_scenario_passes_on_the_pair_and_catches_a_lost_notification() -> None:
+    """The scenario's expectations hold on reference-pd; a consumer whose notification is lost keeps the producer's
+    blocks held past the read (PD-NOTIFY-1)."""
+    scenario = scenarios.load("prefilled-request-decoded")
+    assert scenarios.judge(scenario, Session(ReferencePDAdapter)).outcome == "pass"
+    verdict = scenarios.judge(scenario, Session(MUTANTS["pd-notification-lost"].adapter))
+    assert (verdict.outcome, verdict.clause) == ("fail", "PD-NOTIFY-1"), verdict
+    refused = scenarios.judge(scenario, Session(ReferenceAdapter))
+    assert refused.outcome == "refused" and "disaggregated" in refused.detail
+
+
+def test_a_pair_is_judged_at_its_own_level_alone() -> None:
+    assert judged_levels(ReferencePDAdapter().capabilities()) == {"disaggregated"}
+    assert Call("prefill", (RequestSpec(request_id="p", prompt=(1,)),)).unsupported(ReferenceAdapter().capabilities())
+
+
+def test_malformed_and_misdirected_params_get_a_verdict_not_a_traceback() -> None:
+    """PD-PARAMS-2, PD-FAIL-1: params missing a field are answered no load; params naming another engine, request or
+    blocks fail the read; the reference pair passes each."""
+    for override in ({"do_remote_prefill": None}, {"remote_block_ids": None}, {"remote_engine_id": "elsewhere"},
+                     {"remote_request_id": "nobody"}, {"remote_block_ids": [9]}):
+        assert run(ReferencePDAdapter, hand_over(override=override)) is None, override
+
+
+def test_bad_input_is_one_line() -> None:
+    """A tensor-parallel size the adapter does not run, or a decode of a prefill never sent, is refused in one line."""
+    with pytest.raises(options.UsageProblem, match="runs tensor-parallel sizes 1, 2, 4, not 3"):
+        options.prepare("reference-pd", tensor_parallel_size=3, database="none")
+    with pytest.raises(options.UsageProblem, match="not 2"):
+        options.prepare("reference", tensor_parallel_size=2, database="none")
+    scenario = scenarios.Scenario(EngineConfig(block_size=4, num_gpu_blocks=16, block_size_factor=1),
+                                  level="disaggregated").call("decode", RequestSpec(request_id="d", prompt=(1,)), "p")
+    with pytest.raises(scenarios.ScenarioError, match="no prefill sent to the producer"):
+        scenarios.check(scenario, Session(ReferencePDAdapter))
