@@ -49,7 +49,8 @@ class EngineConfig(_Frozen):
                                                      "(OFF-ARC-4)")
     tensor_parallel_size: int = Field(1, ge=1, exclude_if=lambda value: value == 1,
                                       description="tensor-parallel ranks per engine, each holding and moving only its "
-                                                  "share of the KV heads (PD-TP-1): vLLM's --tensor-parallel-size")
+                                                  "share of the KV heads (KVC-DATA-1, PD-TP-1): vLLM's "
+                                                  "--tensor-parallel-size")
 
     def __repr__(self) -> str:
         return f"EngineConfig({', '.join(f'{k}={v!r}' for k, v in self.model_dump().items())})"
@@ -302,8 +303,9 @@ class Capabilities(_Frozen):
     reads_kv: bool = Field(True, description="computed_kv() returns the GPU bytes, so data integrity is checked")
     reads_stored_kv: bool = Field(False, description="stored_kv() returns the bytes the store holds for a readable "
                                                      "offloaded block, so the data at rest is checked (XFER-DATA-3)")
-    tensor_parallel_sizes: tuple[int, ...] = Field((1,), description="tensor_parallel_size values it runs "
-                                                                     "(PD-TP-1)")
+    tensor_parallel_sizes: tuple[int, ...] = Field((1,), description="tensor_parallel_size values it runs, "
+                                                                     "one drawn per example unless the run names one "
+                                                                     "(KVC-DATA-1, PD-TP-1)")
     lease_steps: int | None = Field(None, ge=1, description="disaggregated level: a producer's delayed free ends "
                                                             "after this many producer steps with no read (the harness "
                                                             "clock, PD-LEASE-1)")

@@ -394,12 +394,18 @@ def check_resident_bytes(judge: ConnectorJudge, request_id: str, kv: torch.Tenso
     judge.exercise("KVC-DATA-1")
     num_tokens = judge.trace.computed_tokens.get(request_id, 0)
     expected = judge.history.expected_kv(request_id, num_tokens, judge.config.token_width, kv.dtype)
-    if kv.shape != expected.shape or not torch.equal(kv, expected):
-        wrong = ((kv != expected).any(dim=1).nonzero().flatten().tolist() if kv.shape == expected.shape
-                 else f"all (shape {tuple(kv.shape)}, expected {tuple(expected.shape)})")
-        raise ClauseViolation("KVC-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong} are not "
-                                            "what the engine computed for that prefix in the request's tenant (step "
-                                            f"{judge.trace.steps}; {judge.story(request_id)})")
+    if kv.shape == expected.shape and torch.equal(kv, expected):
+        return
+    wrong: object = f"all (shape {tuple(kv.shape)}, expected {tuple(expected.shape)})"
+    heads, ranks = "", judge.config.tensor_parallel_size
+    if kv.shape == expected.shape:
+        differ = kv != expected
+        wrong = differ.any(dim=1).nonzero().flatten().tolist()
+        if ranks > 1:
+            heads = f"; the heads of rank(s) {[r for r, part in enumerate(differ.chunk(ranks, dim=1)) if part.any()]}"
+    raise ClauseViolation("KVC-DATA-1", f"request {request_id!r}: KV bytes of token positions {wrong} are not what the "
+                                        "engine computed for that prefix in the request's tenant (step "
+                                        f"{judge.trace.steps}; {judge.story(request_id)}{heads})")
 
 
 # --- once the engine is drained --------------------------------------------------------------------------

@@ -32,8 +32,10 @@ def scheduling_modes(capabilities: Capabilities, scheduling: Scheduling) -> list
 
 
 @st.composite
-def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Scheduling = "both") -> EngineConfig:
-    """Draw an engine configuration within what the adapter claims (CONF-CAP-1)."""
+def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Scheduling = "both",
+                   tensor_parallel_size: int | None = None) -> EngineConfig:
+    """Draw an engine configuration within what the adapter claims (CONF-CAP-1), at the run's tensor-parallel size
+    or one of those the adapter runs (KVC-DATA-1, PD-TP-1)."""
     return EngineConfig(
         block_size=4,
         num_gpu_blocks=draw(GPU_POOLS, label="num_gpu_blocks"),
@@ -44,6 +46,8 @@ def engine_configs(draw: st.DrawFn, capabilities: Capabilities, scheduling: Sche
         max_num_batched_tokens=draw(st.sampled_from((16, 256)), label="token_budget"),
         **{variant: draw(st.sampled_from(sorted(getattr(capabilities, variant))), label=variant)
            for variant in VARIANTS},
+        tensor_parallel_size=tensor_parallel_size or draw(st.sampled_from(sorted(capabilities.tensor_parallel_sizes)),
+                                                          label="tensor_parallel_size"),
     )
 
 
@@ -142,11 +146,8 @@ class ConnectorStateMachine(RuleBasedStateMachine):
         self.session.statistics.examples += 1
         if self.session.on_example is not None:
             self.session.on_example()
-        self.apply("start", self.engine_config(data, self.run.begin()))
-
-    def engine_config(self, data: st.DataObject, capabilities: Capabilities) -> EngineConfig:
-        """Draw the engine's configuration within what the adapter claims (CONF-CAP-1)."""
-        return data.draw(engine_configs(capabilities, self.session.scheduling), label="config")
+        config = engine_configs(self.run.begin(), self.session.scheduling, self.session.tensor_parallel_size)
+        self.apply("start", data.draw(config, label="config"))
 
     # Hypothesis must draw the same data whenever it replays an example. Where the harness completes transfers the
     # adapter is deterministic, and the rules may read its state: preconditions and the candidates a rule draws
@@ -320,15 +321,6 @@ class PairStateMachine(ConnectorStateMachine):
         super().__init__()
         self.prefills: list[str] = []
         self.decoded: set[str] = set()
-
-    def engine_config(self, data: st.DataObject, capabilities: Capabilities) -> EngineConfig:
-        """Draw the pair's configuration at the run's tensor-parallel size, or one drawn from those the adapter runs
-        (PD-TP-1)."""
-        config = super().engine_config(data, capabilities)
-        size = self.session.tensor_parallel_size
-        if size is None:
-            size = data.draw(st.sampled_from(sorted(capabilities.tensor_parallel_sizes)), label="tensor_parallel_size")
-        return config.model_copy(update={"tensor_parallel_size": size})
 
     @precondition(lambda self: self.live_requests() < MAX_LIVE_REQUESTS)
     @rule(data=st.data(), then=st.sampled_from(("wait", "hand_over", "abort")))

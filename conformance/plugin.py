@@ -93,7 +93,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(OPTION_DRAIN_TIMEOUT, dest="kv_drain_timeout", default=None,
                     help="Seconds a drain steps a connector on its own clock until it is idle (as kvconform run)")
     group.addoption(OPTION_TENSOR_PARALLEL_SIZE, dest="kv_tensor_parallel_size", type=int, default=None,
-                    help="Ranks per engine of a disaggregated pair (as kvconform run --tensor-parallel-size)")
+                    help="Tensor-parallel ranks per engine (as kvconform run --tensor-parallel-size); drawn from "
+                         "those the adapter runs if not given")
     group.addoption(OPTION_REPORT, dest="kv_report", type=Path, default=None,
                     help="Write the JSON report of the state-machine run here")
     group.addoption(OPTION_JUNIT, dest="kv_junit", type=Path, default=None,

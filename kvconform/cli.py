@@ -65,8 +65,8 @@ def _connector_options(command):
 @click.option("--scheduling", type=click.Choice(options.SCHEDULINGS), default="both", show_default=True,
               help="Scheduling modes to draw engine configurations from")
 @click.option("--tensor-parallel-size", type=int, default=None,
-              help="Ranks per engine of a disaggregated pair (as vLLM's flag); drawn from those the adapter runs if "
-                   "not given")
+              help="Tensor-parallel ranks per engine (vLLM's flag), each with its share of the KV heads; drawn "
+                   "from those the adapter runs if not given")
 @_connector_options
 @click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
 @click.option("--database", default=DEFAULT_DATABASE, show_default=True,

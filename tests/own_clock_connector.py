@@ -7,7 +7,8 @@ complete them, only step the engine while they run, as vLLM's engine core does. 
 (cache_salt, LoRA name) and the token prefix the block ends, never evicted; the scheduler side and the worker side of
 one engine share it through the `shared_storage_path` the adapter gives each engine, as two processes would share a
 store server. A save copies the block's bytes when the forward ends and makes them readable later; a request with a
-save scheduled delays its free until the worker has written every save of it.
+save scheduled delays its free until the worker has written every save of it. With tensor parallelism each rank's
+worker keeps its own share of the heads under its rank, and a block is a hit once every rank has saved it.
 
     kvconform run --adapter vllm-connector --connector tests.own_clock_connector:OwnClockConnector
 
@@ -53,15 +54,17 @@ class OwnClockMetadata(KVConnectorMetadata):
 
 
 class Store:
-    """Block KV by key, shared by one engine's two sides; thread-safe."""
+    """Block KV by rank and key, shared by one engine's two sides; thread-safe."""
 
     def __init__(self) -> None:
-        self.blocks: dict[Key, dict[str, torch.Tensor]] = {}
+        self.blocks: dict[tuple[int, Key], dict[str, torch.Tensor]] = {}
         self.lock = threading.Lock()
 
-    def leading_hits(self, keys: list[Key]) -> int:
+    def leading_hits(self, keys: list[Key], ranks: int) -> int:
+        """Return how many of `keys`, from the first, every one of `ranks` ranks has saved."""
         with self.lock:
-            return next((i for i, key in enumerate(keys) if key not in self.blocks), len(keys))
+            return next((i for i, key in enumerate(keys) if any((rank, key) not in self.blocks
+                                                                 for rank in range(ranks))), len(keys))
 
 
 STORES: dict[str, Store] = {}
@@ -81,6 +84,8 @@ class OwnClockConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.store = store_of(vllm_config)
+        self.rank = vllm_config.parallel_config.rank
+        self.ranks = vllm_config.parallel_config.tensor_parallel_size
         # scheduler side
         self.requests: dict[str, Any] = {}
         self.local_hits: dict[str, int] = {}
@@ -119,7 +124,7 @@ class OwnClockConnector(KVConnectorBase_V1):
 
     def hit_tokens(self, request: Any) -> int:
         """Return the tokens of the longest stored prefix; at least one token is left to compute."""
-        return self.store.leading_hits(self.keys(request, request.num_tokens - 1)) * self.block_size
+        return self.store.leading_hits(self.keys(request, request.num_tokens - 1), self.ranks) * self.block_size
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.requests[request.request_id] = request
@@ -245,7 +250,7 @@ class OwnClockConnector(KVConnectorBase_V1):
 
     def copy(self, load: Transfer) -> None:
         with self.store.lock:
-            blocks = [self.store.blocks[key] for key in load.keys]
+            blocks = [self.store.blocks[self.rank, key] for key in load.keys]
         for name, kv in self.layers.items():
             kv[load.block_ids] = torch.stack([block[name] for block in blocks])
 
@@ -256,7 +261,7 @@ class OwnClockConnector(KVConnectorBase_V1):
     def save(self, save: Transfer, copies: dict[str, torch.Tensor]) -> None:
         with self.store.lock:
             for index, key in enumerate(save.keys):
-                self.store.blocks[key] = {name: rows[index] for name, rows in copies.items()}
+                self.store.blocks[self.rank, key] = {name: rows[index] for name, rows in copies.items()}
         with self.lock:
             self.saves_pending[save.request_id] -= 1
 
@@ -302,14 +307,14 @@ class AnswersPastThePrompt(OwnClockConnector):
         return keys
 
     def hit_tokens(self, request: Any) -> int:
-        return self.store.leading_hits(self.keys(request, request.num_tokens)) * self.block_size
+        return self.store.leading_hits(self.keys(request, request.num_tokens), self.ranks) * self.block_size
 
 
 class LoadsAllSynchronously(OwnClockConnector):
     """Offers a stored prompt whole, as a synchronous load: no token is left to compute (KVC-MATCH-1)."""
 
     def hit_tokens(self, request: Any) -> int:
-        return self.store.leading_hits(self.keys(request, request.num_tokens)) * self.block_size
+        return self.store.leading_hits(self.keys(request, request.num_tokens), self.ranks) * self.block_size
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return super().get_num_new_matched_tokens(request, num_computed_tokens)[0], False

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from importlib import resources
@@ -524,6 +525,128 @@ def test_black_box_seam_saves_and_reports_the_connector_level_only(connector_env
     assert not any(o.lookups or o.loads or o.store_offers or o.stores or o.evicted for o in observations), observations
 
 
+# --- vllm-connector with tensor parallelism: one worker-side connector per rank ----------------------
+
+
+def save_and_load_program(ranks: int) -> list[Call]:
+    """Return a program that saves a prompt, resets the local prefix cache and loads the prompt back with `ranks`
+    tensor-parallel ranks: the loaded bytes are judged (KVC-DATA-1)."""
+    program = [Call("start", (EngineConfig(block_size_factor=1, tensor_parallel_size=ranks),))]
+    for request_id in ("fill", "read"):
+        program += [Call("add_request", (RequestSpec(request_id=request_id, prompt=(0, 1, 2, 3) * 6, max_tokens=3),)),
+                    Call("drain"), Call("reset_prefix_cache", (False,))]
+    return program
+
+
+def one_ranks_heads(adapter: Any) -> transfers.RankedTransfers:
+    """A broken rank: every rank's copies move rank 0's heads, so rank 1 saves and loads another rank's share."""
+    return transfers.RankedTransfers([adapter.kv.ranks[0]] * len(adapter.kv.ranks))
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_each_rank_moves_its_own_heads(connector_environment: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OffloadingConnector with two ranks: each rank's worker holds its half of the heads, vLLM's KVOutputAggregator
+    expects both ranks' reports, and a prompt saved and loaded back is judged on every rank's bytes (KVC-DATA-1). With
+    a rank that copies another rank's heads (the mutant) the same program fails KVC-DATA-1."""
+    from kvconform.adapters.vllm.engine import VllmAdapter
+
+    adapter = connector_adapter("OffloadingConnector")
+    program = save_and_load_program(2)
+    probe = adapter()
+    probe.start(program[0].args[0])
+    assert [kv.gpu.shape[2] for kv in probe.kv.ranks] == [4, 4] and probe.worker is probe.ranks[0].worker
+    assert probe.ranks[1].worker is not probe.worker and probe.aggregator._expected_finished_count == 2
+    probe.close()
+    assert replay(Session(adapter), program).violation is None
+    monkeypatch.setattr(VllmAdapter, "held_transfers", one_ranks_heads)
+    violation = replay(Session(adapter), program).violation
+    assert violation is not None and violation.clause == "KVC-DATA-1", violation
+
+
+class LaggingRank(transfers.RankedTransfers):
+    """A slower rank 1: a transfer finishes on rank 1 only at the second completion after rank 0 finished it, when
+    rank 0's report has reached the scheduler and the request could run. Transfers succeed (no failure is drawn)."""
+
+    def __init__(self, kv_tensors: Any) -> None:
+        super().__init__(kv_tensors)
+        self.waited: Counter[int] = Counter()
+
+    def complete(self, fail_loads: bool = False, fail_stores: bool = False) -> None:
+        self.ranks[0].complete(fail_loads, fail_stores)
+        lagging = self.ranks[1]
+        self.waited.update(list(lagging.held))
+        lagging.wait(job for job, completions in self.waited.items() if completions > 2)
+
+
+def one_rank_aggregator(adapter: Any) -> Any:
+    """A broken aggregation (the mutant): a transfer counts as finished once one rank reported it."""
+    return adapter.rt.load("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator(1)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_load_is_finished_only_when_every_rank_reported_it(connector_environment: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """OffloadingConnector with two ranks, rank 1 a completion behind rank 0: vLLM's KVOutputAggregator holds the
+    request until both ranks loaded, and the program passes. Aggregation that counts one rank (the mutant) lets the
+    request run on rank 1's missing heads: KVC-DATA-1 names rank 1."""
+    from kvconform.adapters.vllm.engine import VllmAdapter
+
+    adapter, program = connector_adapter("OffloadingConnector"), save_and_load_program(2)
+    monkeypatch.setattr(VllmAdapter, "held_transfers", lambda self: LaggingRank(self.kv.ranks))
+    assert replay(Session(adapter), program).violation is None
+    monkeypatch.setattr(VllmAdapter, "output_aggregator", one_rank_aggregator)
+    violation = replay(Session(adapter), program).violation
+    assert violation is not None and violation.clause == "KVC-DATA-1", violation
+    assert "the heads of rank(s) [1]" in violation.detail, violation
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_example_connector_ranks_overwrite_each_others_files(connector_environment: None) -> None:
+    """vLLM 0.34.0's ExampleConnector names a saved file by its tokens and layer, not its rank
+    (example_connector.py:411-423 `_generate_filename_debug`): with two ranks, rank 1's save overwrites rank 0's and
+    both load rank 1's heads (KVC-DATA-1); with one rank the same program passes."""
+    adapter = connector_adapter("ExampleConnector")
+    assert replay(Session(adapter), save_and_load_program(1)).violation is None
+    violation = replay(Session(adapter), save_and_load_program(2)).violation
+    assert violation is not None and violation.clause == "KVC-DATA-1", violation
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_parallel_state_answers_the_rank_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parallel-state seam: a getter imported by name answers the rank inside `tensor_parallel_rank` and vLLM's own
+    answer after it; `get_tp_group` is refused with the one line that names the fix."""
+    import types
+
+    from vllm.distributed import parallel_state
+
+    importer = types.ModuleType("kvconform_test_importer")
+    importer.get_tensor_model_parallel_rank = parallel_state.get_tensor_model_parallel_rank  # type: ignore[attr-defined]
+    importer.get_tp_group = parallel_state.get_tp_group  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, importer.__name__, importer)
+    with runtime.tensor_parallel_rank(1, 2):
+        assert importer.get_tensor_model_parallel_rank() == 1  # type: ignore[attr-defined]
+        assert parallel_state.get_tensor_model_parallel_world_size() == 2
+        with pytest.raises(runtime.NeedsProcessGroup, match="--tensor-parallel-size 1"):
+            importer.get_tp_group()  # type: ignore[attr-defined]
+    restored = importer.get_tensor_model_parallel_rank  # type: ignore[attr-defined]
+    assert restored is parallel_state.get_tensor_model_parallel_rank
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("size", ["3", "0"])
+def test_a_tensor_parallel_size_refused_is_one_line_exit_2(connector_environment: None, size: str) -> None:
+    """A size the adapter does not run is refused before the run: one line, exit 2, no traceback."""
+    result = CliRunner().invoke(main, ["run", "--adapter", "vllm-connector", "--connector", "ExampleConnector",
+                                       "--profile", "smoke", "--tensor-parallel-size", size])
+    assert result.exit_code == 2 and f"runs tensor-parallel sizes 1, 2, not {size}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+
+
 # --- LMCache ------------------------------------------------------------------------------------
 
 LMCACHE_VLLM = "0.24.0"
@@ -579,8 +702,10 @@ def test_lmcache_absent_is_one_line_exit_2_naming_its_install(connector_environm
 def test_lmcache_reloads_what_it_saved_byte_for_byte(connector_environment: None) -> None:
     """LMCacheConnectorV1 through vllm-connector and the torch copy: a prompt saved, the local prefix cache reset,
     the prompt asked again with two tokens more is offered whole chunks and loads them byte for byte (KVC-SAVE-1's
-    positive control, KVC-HIT-1, KVC-DATA-1)."""
+    positive control, KVC-HIT-1, KVC-DATA-1). It runs one rank: its worker asks for a process group
+    (`get_tp_group()`), which ranks in one process do not have."""
     adapter = connector_adapter("LMCacheConnectorV1")
+    assert adapter().capabilities().tensor_parallel_sizes == (1,)
     assert offered_after_local_reset(adapter(), LMCACHE_PROMPT) == 32
     program = [Call("start", (EngineConfig(block_size_factor=1),)), *LMCACHE_FAULTS[0][1][:3],
                Call("add_request", (RequestSpec(request_id="longer", prompt=LMCACHE_PROMPT + (7, 7),

@@ -42,9 +42,11 @@ CONNECTOR_CONFIG = "KVCONFORM_CONNECTOR_CONFIG"
 CONNECTOR_MANIFEST = "KVCONFORM_CONNECTOR_MANIFEST"
 
 DEFAULT_MANIFEST = {"async_scheduling": True, "eviction_policies": ("lru",), "block_size_factors": (1,),
-                    "transfer_failures": False, "reset_connector": False, "harness_completes_transfers": False}
+                    "transfer_failures": False, "reset_connector": False, "harness_completes_transfers": False,
+                    "tensor_parallel_sizes": (1, 2)}
 """What a connector is asked for unless its seam or manifest says more: its store's policy and chunking are its own,
-and so is its clock: its transfers finish when its own threads finish them, unless a seam holds them."""
+and so is its clock: its transfers finish when its own threads finish them, unless a seam holds them. It runs with
+one rank and with two, each holding its share of the KV heads, as vLLM's workers do."""
 
 SEAMS: dict[str, Callable[[VllmAdapter], TransferSeam]] = {"OffloadingConnector": OffloadingSeam,
                                                             "SimpleCPUOffloadConnector": SimpleCPUSeam,

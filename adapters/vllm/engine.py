@@ -13,10 +13,13 @@ with the worker-side connector called in the order of vLLM's model runner.
 from __future__ import annotations
 
 import abc
+import contextlib
+import copy
 import functools
 import inspect
+import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.adapters.vllm import runtime
-from kvconform.adapters.vllm.transfers import HeldTransfers, KVTensors
+from kvconform.adapters.vllm.transfers import RankedKV, RankedTransfers
 from kvconform.common import kv_content
 from kvconform.common.values import (
     EngineConfig,
@@ -56,6 +59,17 @@ class StepTrace:
     loads_failed: list[str] = field(default_factory=list)
     free_delayed: list[str] = field(default_factory=list)
     saves_finished: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Rank:
+    """One tensor-parallel rank: its worker-side connector, built and called under its own parallel state
+    (`VllmAdapter.at_rank`), with its own vLLM config (`parallel_config.rank`) and model-runner glue."""
+
+    index: int
+    vllm_config: Any
+    worker: Any = None
+    runner: Any = None
 
 
 @dataclass
@@ -266,6 +280,8 @@ class VllmAdapter(KVConnectorAdapter):
         self._config: EngineConfig | None = None
         self.scheduler: Any = None
         self.worker: Any = None
+        self.rank: int | None = None
+        """The rank whose worker runs now (`at_rank`), or None between them."""
 
     @property
     def config(self) -> EngineConfig:
@@ -332,20 +348,60 @@ class VllmAdapter(KVConnectorAdapter):
         if lacking is not None:
             raise ValueError(f"{self.name} on vLLM {self.rt.version} supports {lacking}")
 
+    @property
+    def kv_tensors(self) -> Any:
+        """Return the KV bytes of the rank whose worker runs now, else of every rank (`transfers.RankedKV`)."""
+        return self.kv if self.rank is None else self.kv.ranks[self.rank]
+
+    @property
+    def transfers(self) -> Any:
+        """Return the held transfers of the rank whose worker runs now, else of every rank (`RankedTransfers`)."""
+        return self.all_transfers if self.rank is None else self.all_transfers.ranks[self.rank]
+
+    def held_transfers(self) -> RankedTransfers:
+        """Return the transfers each rank's worker submits: each rank copies its own heads."""
+        return RankedTransfers(self.kv.ranks)
+
+    def output_aggregator(self) -> Any:
+        """Return vLLM's `KVOutputAggregator` as its executor builds it (`v1/executor/abstract.py`
+        `init_kv_output_aggregator`): a request's transfer finishes once `connector.get_finished_count()` ranks, else
+        every rank, reported it."""
+        aggregator = self.rt.load("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator
+        return aggregator.from_connector(self.scheduler.connector, self.tensor_parallel_size)
+
+    @contextlib.contextmanager
+    def at_rank(self, rank: int) -> Iterator[None]:
+        """Run rank `rank`'s worker: its KV bytes and transfers are the adapter's, and with more than one rank vLLM's
+        tensor-parallel getters answer its rank (`runtime.tensor_parallel_rank`)."""
+        self.rank = rank
+        try:
+            with runtime.tensor_parallel_rank(rank, self.tensor_parallel_size):
+                yield
+        finally:
+            self.rank = None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The ranks whose worker-side connectors run each step, each holding its share of the KV heads (vLLM's
+        `--tensor-parallel-size`, the configuration's)."""
+        return self._config.tensor_parallel_size if self._config is not None else 1
+
     def start(self, config: EngineConfig) -> None:
         self.check_supported(config)
-        if config.token_width % 2:
-            raise ValueError(f"token_width {config.token_width} must be even: the layout has one K and one V half")
+        ranks = config.tensor_parallel_size
+        if config.token_width % (2 * ranks):
+            raise ValueError(f"token_width {config.token_width} must be a multiple of {2 * ranks}: each of the "
+                             f"{ranks} ranks holds one head, a K and a V half")
         self._config = config
         self.trace = StepTrace()
         self.specs: dict[str, RequestSpec] = {}
         self.queue: list[Batch] = []
         self.lora_ids: dict[str, int] = {}
         self.requests: dict[str, Any] = {}
-        self.kv_tensors = KVTensors(config, self.store_slots(config) * config.block_size_factor)
-        self.transfers = HeldTransfers(self.kv_tensors)
+        self.kv = RankedKV(config, self.store_slots(config) * config.block_size_factor, ranks)
+        self.all_transfers = self.held_transfers()
         self.vllm_config = self.rt.vllm_config(config, self.connector_name, self.extra_config(config),
-                                               self.transfer_config())
+                                               self.transfer_config(), tensor_parallel_size=ranks)
         self.kv_cache_config = self._kv_cache_config(config)
         kv_utils = self.rt.kv_utils
         block_size, hash_block_size = kv_utils.resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
@@ -358,13 +414,9 @@ class VllmAdapter(KVConnectorAdapter):
             structured_output_manager=self.rt.structured.StructuredOutputManager(self.vllm_config),
             block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
         )
-        with self.rt.config.set_current_vllm_config(self.vllm_config):  # as vLLM's worker builds its connector
-            self.seam.prepare_worker()
-            self.worker = self.rt.factory.KVConnectorFactory.create_connector(
-                config=self.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
-                kv_cache_config=self.kv_cache_config)
-        self.worker_built(self.worker)
-        self.runner = runner_glue(self.rt, self.vllm_config, self.worker, {KV_LAYER: self.kv_tensors.gpu})
+        self.ranks = [self._build_rank(rank) for rank in range(ranks)]
+        self.worker = self.ranks[0].worker
+        self.aggregator = self.output_aggregator() if ranks > 1 else None
         self.scheduler.finished_req_ids = FinishOrder()
         wrap(self.scheduler.connector, "get_num_new_matched_tokens", self._record_match)
         wrap(self.scheduler.connector, "request_finished", self._record_finish_answer)
@@ -376,13 +428,28 @@ class VllmAdapter(KVConnectorAdapter):
              lambda result: setattr(self, "gpu_cache_reset", result))
         self.attach()
 
+    def _build_rank(self, index: int) -> Rank:
+        """Build rank `index`'s worker-side connector as vLLM's worker process does, under its config and parallel
+        state, and register its KV tensor (its heads) with it."""
+        rank = Rank(index, rank_config(self.vllm_config, index) if self.tensor_parallel_size > 1 else self.vllm_config)
+        with self.at_rank(index), self.rt.config.set_current_vllm_config(rank.vllm_config):
+            self.seam.prepare_worker()
+            rank.worker = self.rt.factory.KVConnectorFactory.create_connector(
+                config=rank.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
+                kv_cache_config=self.kv_cache_config)
+            self.worker_built(rank.worker)
+            rank.runner = runner_glue(self.rt, rank.vllm_config, rank.worker, {KV_LAYER: self.kv_tensors.gpu})
+        return rank
+
     def _kv_cache_config(self, config: EngineConfig) -> Any:
-        """Return a KVCacheConfig of one full-attention layer whose pages are the blocks of the GPU KV tensor."""
+        """Return a KVCacheConfig of one full-attention layer whose pages are the blocks of one rank's GPU KV tensor:
+        one head per rank."""
         iface = self.rt.kv_iface
-        spec = iface.FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=config.token_width // 2,
-                                       dtype=self.kv_tensors.gpu.dtype)
+        spec = iface.FullAttentionSpec(block_size=config.block_size, num_kv_heads=1,
+                                       head_size=config.token_width // (2 * self.tensor_parallel_size),
+                                       dtype=self.kv.dtype)
         page = spec.page_size_bytes
-        assert page == self.kv_tensors.page_bytes, "KV page size mismatch"
+        assert page == self.kv.page_bytes, "KV page size mismatch"
         size = page * config.num_gpu_blocks
         tensor = runtime.dataclass_kwargs(iface.KVCacheTensor, size=size, shared_by=[KV_LAYER], layers=[KV_LAYER],
                                           layer_stride=size, block_stride=page)
@@ -463,9 +530,9 @@ class VllmAdapter(KVConnectorAdapter):
         self.trace.preempted = set(scheduler_output.preempted_req_ids or ())
         self.transfers.begin_step()
         self.observe_metadata(scheduler_output.kv_connector_metadata)
-        self.runner.install()
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return Batch(scheduler_output, self.runner.no_forward(scheduler_output), {})
+            return Batch(scheduler_output, self._aggregate([self._on_rank(rank, lambda r, given: r.runner.no_forward(
+                given), scheduler_output) for rank in self.ranks]), {})
         runner_tokens = self._runner_tokens(scheduler_output)
         sampled: dict[str, int] = {}
 
@@ -473,14 +540,34 @@ class VllmAdapter(KVConnectorAdapter):
             self.trace.store_reads_in_flight |= self.transfers.store_reads()
             sampled.update(self._forward(scheduler_output, runner_tokens))
 
-        connector_output = self.runner.around_forward(scheduler_output, forward)
+        connector_outputs = [self._on_rank(rank, lambda r, given: r.runner.around_forward(given, forward),
+                                           scheduler_output) for rank in self.ranks]
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        runner_output = runtime.dataclass_kwargs(
+        runner_outputs = [runtime.dataclass_kwargs(
             self.rt.outputs.ModelRunnerOutput, req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
-            kv_connector_output=connector_output)
-        return Batch(scheduler_output, runner_output, sampled)
+            kv_connector_output=connector_output) for connector_output in connector_outputs]
+        return Batch(scheduler_output, self._aggregate(runner_outputs), sampled)
+
+    def _on_rank(self, rank: Rank, call: Callable[[Rank, Any], Any], scheduler_output: Any) -> Any:
+        """Return `call(rank, scheduler_output)` run as rank's worker: its connector is vLLM's KV transfer group
+        (`at_rank`). Past one rank each worker gets its own copy of the scheduler output, as `MultiprocExecutor`'s
+        broadcast queue pickles it to every worker process (`shm_broadcast.MessageQueue.enqueue`): a worker that
+        consumes its connector metadata leaves the other ranks' intact; one worker gets the object itself, as from
+        `UniProcExecutor`."""
+        given = scheduler_output if len(self.ranks) == 1 else pickle.loads(pickle.dumps(scheduler_output))
+        with self.at_rank(rank.index):
+            rank.runner.install()
+            return call(rank, given)
+
+    def _aggregate(self, outputs: list[Any]) -> Any:
+        """Return the runner output the scheduler gets: one worker's as it is (vLLM's `UniProcExecutor`), or rank 0's
+        with every rank's connector outputs aggregated by vLLM's `KVOutputAggregator`, as `MultiprocExecutor` does
+        (`v1/executor/multiproc_executor.py` `collective_rpc`)."""
+        if self.aggregator is None:
+            return outputs[0]
+        return self.aggregator.aggregate([copy.copy(output) for output in outputs], output_rank=0)
 
     def _runner_tokens(self, scheduler_output: Any) -> dict[str, list[int]]:
         """Return each scheduled request's tokens as the model runner knows them: the scheduler's plus any
@@ -507,7 +594,7 @@ class VllmAdapter(KVConnectorAdapter):
             blocks = self.block_ids(request_id)
             states = self._token_states(request_id, tokens[:end])
             self.kv_tensors.write(blocks, start, kv_content.kv_values(
-                states[start:end], self.config.token_width, self.kv_tensors.gpu.dtype))
+                states[start:end], self.config.token_width, self.kv.dtype))
             self.trace.forward_writes.update(blocks[start // block_size : -(-end // block_size)])
             if end == len(tokens):
                 sampled[request_id] = kv_content.next_token(states[end - 1])
@@ -637,3 +724,14 @@ class VllmAdapter(KVConnectorAdapter):
     @abc.abstractmethod
     def jobs_in_flight(self) -> int:
         """Return the transfer jobs the connector still waits for."""
+
+
+def rank_config(vllm_config: Any, rank: int) -> Any:
+    """Return the vLLM config of tensor-parallel rank `rank`'s worker process: the engine's, with its own
+    `parallel_config.rank` and its own forward context (each rank's attention layer holds its own KV tensor)."""
+    config = copy.copy(vllm_config)
+    config.parallel_config = copy.copy(vllm_config.parallel_config)
+    config.parallel_config.rank = rank
+    config.compilation_config = copy.copy(vllm_config.compilation_config)
+    config.compilation_config.static_forward_context = {}
+    return config

@@ -58,6 +58,12 @@ class LMCacheSeam(TransferSeam):
         for variable, value in LMCACHE_ENVIRONMENT.items():
             os.environ.setdefault(variable, value)
 
+    def capabilities(self) -> dict[str, Any]:
+        """One rank: LMCache's worker asks for its tensor-parallel process group (`get_tp_group()`,
+        lmcache_integration/vllm_v1_adapter.py:544), which ranks run in one process do not have
+        (`runtime.NeedsProcessGroup`)."""
+        return {"tensor_parallel_sizes": (1,)}
+
     def extra_config(self, config: EngineConfig) -> dict[str, Any]:
         """Return LMCache's settings (`lmcache.` keys of the extra config): local CPU backend only, no HTTP server."""
         return {"lmcache.chunk_size": CHUNK_TOKENS, "lmcache.local_cpu": True, "lmcache.max_local_cpu_size": 0.05,

@@ -313,13 +313,14 @@ class OffloadingSeam(TransferSeam):
 
     def extra_config(self, config: EngineConfig) -> dict[str, Any]:
         """Return the connector's extra config: the kvconform spec, bound to this seam, and a CPU store of exactly
-        `config.num_offload_blocks` offloaded blocks."""
+        `config.num_offload_blocks` offloaded blocks on every rank."""
         from kvconform.adapters.vllm import offloading_spec
 
         session_id = f"kvconform-{next(_SESSION_IDS)}"
         offloading_spec.SESSIONS[session_id] = self
         alignment = offloading_spec.CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
-        chunk = self.transfers.kv_tensors.page_bytes * config.block_size_factor
+        # vLLM sizes a chunk as one rank's pages times the world size (v1/kv_offload/cpu/spec.py:110-113)
+        chunk = self.adapter.kv.page_bytes * config.block_size_factor * self.adapter.tensor_parallel_size
         aligned_chunk = -(-chunk // alignment) * alignment
         return {
             "spec_name": "KVConformCPUOffloadingSpec",

@@ -8,6 +8,7 @@ architecture take seconds; both happen once per process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -17,7 +18,9 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -67,11 +70,15 @@ class Runtime:
         return importlib.util.find_spec(module) is not None
 
     def vllm_config(self, config: EngineConfig, connector: str, extra_config: dict[str, Any],
-                    transfer: dict[str, Any] | None = None) -> Any:
-        """Return a VllmConfig for `config` with the KV connector `connector` (CPU device, prefix caching on) and
-        any more `transfer` fields of its KVTransferConfig."""
+                    transfer: dict[str, Any] | None = None, tensor_parallel_size: int = 1) -> Any:
+        """Return a VllmConfig for `config` with the KV connector `connector` (CPU device, prefix caching on), any
+        more `transfer` fields of its KVTransferConfig and, past one rank, its tensor-parallel size (the world size the
+        scheduler side and the output aggregator count ranks by)."""
         cfg = self.config
+        parallel = {"parallel_config": cfg.ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+                    } if tensor_parallel_size > 1 else {}
         vllm_config = cfg.VllmConfig(
+            **parallel,
             model_config=self.model_config,
             scheduler_config=cfg.SchedulerConfig(
                 max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -165,6 +172,62 @@ def single_worker_group() -> None:
     parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                                 distributed_init_method=f"file://{rendezvous}")
     parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
+TENSOR_PARALLEL_GETTERS = ("get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group")
+"""vLLM's parallel-state getters a worker-side connector asks for its rank (`vllm/distributed/parallel_state.py`
+`get_tensor_model_parallel_rank` :2486, `get_tensor_model_parallel_world_size` :2481, `get_tp_group` :1598 in
+0.34.0), imported by name into the connectors' modules (`nixl/base_worker.py`:78-79, `mooncake_connector.py`:58-59,
+`hf3fs_connector.py`:61, `lmcache_integration/vllm_v1_adapter.py`:52)."""
+
+
+class NeedsProcessGroup(RuntimeError):
+    """A connector asked for its tensor-parallel process group (`get_tp_group`) while several ranks run in one
+    process: there is no real group to give it."""
+
+
+def _no_process_group() -> Any:
+    raise NeedsProcessGroup("the connector calls get_tp_group(): it needs a real tensor-parallel process group, which "
+                            "the kit's ranks in one process do not have; run it with --tensor-parallel-size 1")
+
+
+@contextlib.contextmanager
+def tensor_parallel_rank(rank: int, world_size: int) -> Iterator[None]:
+    """Make vLLM's tensor-parallel getters answer rank `rank` of `world_size` wherever they were imported by name, for
+    as long as the context lasts: the seam through which one process runs several ranks' worker-side connectors.
+    `get_tp_group` raises `NeedsProcessGroup`. With one rank nothing is patched: vLLM's own state answers."""
+    if world_size == 1:
+        yield
+        return
+    parallel_state = importlib.import_module("vllm.distributed.parallel_state")
+    originals = {name: getattr(parallel_state, name) for name in TENSOR_PARALLEL_GETTERS}
+    answers = {"get_tensor_model_parallel_rank": lambda: rank,
+               "get_tensor_model_parallel_world_size": lambda: world_size, "get_tp_group": _no_process_group}
+    patched = [(namespace, name) for namespace in _importers(tuple(originals.values())) for name, original in
+               originals.items() if namespace.get(name) is original]
+    for namespace, name in patched:
+        namespace[name] = answers[name]
+    try:
+        yield
+    finally:
+        for namespace, name in patched:
+            namespace[name] = originals[name]
+
+
+_IMPORTERS: dict[tuple[int, int], list[dict[str, Any]]] = {}
+
+
+def _importers(functions: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """Return the namespaces of the loaded modules that hold any of `functions` (found again when modules are
+    imported)."""
+    key = (len(sys.modules), id(functions[0]))
+    if key not in _IMPORTERS:
+        _IMPORTERS.clear()
+        _IMPORTERS[key] = [namespace for module in list(sys.modules.values())
+                           if isinstance(namespace := getattr(module, "__dict__", None), dict)
+                           and any(namespace.get(name) is function for name, function in
+                                   zip(TENSOR_PARALLEL_GETTERS, functions, strict=True))]
+    return _IMPORTERS[key]
 
 
 def dataclass_kwargs(cls: type, **values: Any) -> Any:

@@ -114,7 +114,9 @@ class SimpleCPUSeam(TransferSeam):
         return config.num_offload_blocks + 1  # the CPU BlockPool keeps block 0 as its null block
 
     def extra_config(self, config: EngineConfig) -> dict[str, Any]:
-        page = self.adapter.kv_tensors.page_bytes
+        """Return a CPU store of `store_slots` blocks on every rank: vLLM divides `cpu_bytes_to_use` among the ranks
+        (simple_cpu_offload_connector.py:111-114)."""
+        page = self.adapter.kv.page_bytes * self.adapter.tensor_parallel_size
         return {"cpu_bytes_to_use": page * self.store_slots(config), "lazy_offload": False}
 
     def worker_built(self, worker: Any) -> None:

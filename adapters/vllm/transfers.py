@@ -30,16 +30,21 @@ class Copy:
 
 
 class KVTensors:
-    """The KV bytes of a vLLM adapter: the GPU KV tensor `[blocks, block_size, token_width]` registered with vLLM, and
-    the CPU store tensor `[rows, block_size, token_width]` of GPU-block-sized rows that the connector's copies fill.
+    """The KV bytes of one tensor-parallel rank of a vLLM adapter: the GPU KV tensor `[blocks, block_size, width]`
+    registered with that rank's worker-side connector, and the CPU store tensor `[rows, block_size, width]` of
+    GPU-block-sized rows that the connector's copies fill.
 
-    The forward writes through a slot mapping (slot = block * block_size + offset), as vLLM's `reshape_and_cache`
-    does; a copy moves whole blocks by index, as `swap_blocks` does."""
+    A token's KV row is `[token_width]`, the heads of every rank side by side; rank r of `ranks` holds the columns of
+    its heads, `columns` (all of them with one rank). The forward writes through a slot mapping (slot = block *
+    block_size + offset), as vLLM's `reshape_and_cache` does; a copy moves whole blocks by index, as `swap_blocks`
+    does."""
 
-    def __init__(self, config: EngineConfig, store_rows: int) -> None:
+    def __init__(self, config: EngineConfig, store_rows: int, rank: int = 0, ranks: int = 1) -> None:
         dtype = KV_DTYPES[config.kv_dtype]
-        self.gpu = torch.zeros(config.num_gpu_blocks, config.block_size, config.token_width, dtype=dtype)
-        self.cpu = torch.zeros(store_rows, config.block_size, config.token_width, dtype=dtype)
+        width = config.token_width // ranks
+        self.columns = slice(rank * width, (rank + 1) * width)
+        self.gpu = torch.zeros(config.num_gpu_blocks, config.block_size, width, dtype=dtype)
+        self.cpu = torch.zeros(store_rows, config.block_size, width, dtype=dtype)
 
     @property
     def page_bytes(self) -> int:
@@ -54,15 +59,16 @@ class KVTensors:
         return blocks * block_size + positions % block_size
 
     def write(self, gpu_blocks: Sequence[int], start: int, rows: torch.Tensor) -> None:
-        """Write the KV rows of token positions `start .. start + len(rows)` into their slots (the forward)."""
-        self.gpu.view(-1, self.gpu.shape[2])[self.slots(gpu_blocks, start, start + len(rows))] = rows
+        """Write this rank's columns of the KV rows of token positions `start .. start + len(rows)` into their slots
+        (the forward)."""
+        self.gpu.view(-1, self.gpu.shape[2])[self.slots(gpu_blocks, start, start + len(rows))] = rows[:, self.columns]
 
     def read(self, gpu_blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
-        """Return the KV rows `[num_tokens, token_width]` of a request's first tokens, from their slots."""
+        """Return this rank's columns `[num_tokens, width]` of a request's first tokens' KV rows, from their slots."""
         return self.gpu.view(-1, self.gpu.shape[2])[self.slots(gpu_blocks, 0, num_tokens)]
 
     def read_store(self, first_row: int, num_rows: int) -> torch.Tensor:
-        """Return the KV rows `[num_rows * block_size, token_width]` the store tensor holds from `first_row` on."""
+        """Return this rank's columns `[num_rows * block_size, width]` of the store's rows from `first_row` on."""
         return self.cpu[first_row : first_row + num_rows].reshape(-1, self.cpu.shape[2]).clone()
 
     def copy(self, copy: Copy) -> None:
@@ -151,3 +157,64 @@ class HeldTransfers:
         self.issued.pop(job_id, None)
         self.released.pop(job_id, None)
         self.finished.append((job_id, success))
+
+
+class RankedKV:
+    """The KV bytes of every tensor-parallel rank: a write gives each rank its heads' columns, a read joins every
+    rank's columns back into `[tokens, token_width]` rows, so the byte checks judge all ranks at once."""
+
+    def __init__(self, config: EngineConfig, store_rows: int, ranks: int) -> None:
+        self.ranks = [KVTensors(config, store_rows, rank, ranks) for rank in range(ranks)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ranks[0].gpu.dtype
+
+    @property
+    def page_bytes(self) -> int:
+        """Return the bytes of one GPU block of one rank: the page each rank's KV cache spec sizes."""
+        return self.ranks[0].page_bytes
+
+    def write(self, gpu_blocks: Sequence[int], start: int, rows: torch.Tensor) -> None:
+        for kv in self.ranks:
+            kv.write(gpu_blocks, start, rows)
+
+    def read(self, gpu_blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
+        return torch.cat([kv.read(gpu_blocks, num_tokens) for kv in self.ranks], dim=1)
+
+    def read_store(self, first_row: int, num_rows: int) -> torch.Tensor:
+        return torch.cat([kv.read_store(first_row, num_rows) for kv in self.ranks], dim=1)
+
+
+class RankedTransfers:
+    """The held transfers of every tensor-parallel rank, as the harness sees them: each rank's worker-side connector
+    submits its own copies of its own heads, the harness completes them all at once, and a job is in flight while any
+    rank still holds it."""
+
+    def __init__(self, kv_tensors: Sequence[KVTensors]) -> None:
+        self.ranks = [HeldTransfers(tensors) for tensors in kv_tensors]
+
+    @property
+    def held(self) -> dict[int, Copy]:
+        return {job_id: copy for transfers in self.ranks for job_id, copy in transfers.held.items()}
+
+    def begin_step(self) -> None:
+        for transfers in self.ranks:
+            transfers.begin_step()
+
+    def issue(self, job_id: int, is_store: bool, gpu_blocks: Iterable[int]) -> None:
+        """Note a job the scheduler side handed to the workers: every rank runs it on its own heads."""
+        blocks = tuple(gpu_blocks)
+        for transfers in self.ranks:
+            transfers.issue(job_id, is_store, blocks)
+
+    def complete(self, fail_loads: bool = False, fail_stores: bool = False) -> None:
+        for transfers in self.ranks:
+            transfers.complete(fail_loads, fail_stores)
+
+    def complete_at_poll(self, outcome: TransferOutcome | None) -> None:
+        for transfers in self.ranks:
+            transfers.complete_at_poll(outcome)
+
+    def store_reads(self) -> set[int]:
+        return set().union(*(transfers.store_reads() for transfers in self.ranks))
