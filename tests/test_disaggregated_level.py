@@ -15,7 +15,7 @@ from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Execution, Session, judged_levels
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.operations import Call
-from kvconform.reference.disaggregated import LEASE_STEPS, ProducerConnector, RankOutput
+from kvconform.reference.disaggregated import LEASE_STEPS, ConsumerConnector, ProducerConnector, RankOutput
 
 PROMPT = (1, 2, 3, 0) * 3
 
@@ -193,4 +193,37 @@ def test_a_hold_ended_within_two_steps_of_the_first_step_past_its_lease_is_in_ti
     assert run(SlowStepsPair, unread_hold(8)) is None
     monkeypatch.setattr(WallClockProducer, "step", lambda self: ProducerConnector.step(self))  # the lease never ends
     violation = run(SlowStepsPair, unread_hold(8))
+    assert violation is not None and violation.clause == "PD-LEASE-1", violation
+
+
+class HeartbeatPair(ReferencePDAdapter):
+    """The reference pair whose producer renews a hold's lease while a consumer read of it is planned or in flight, as
+    vLLM NIXL's consumer heartbeats do (`nixl/base_worker.py` `_handle_heartbeat`)."""
+
+    def start(self, config: EngineConfig) -> None:
+        super().start(config)
+        producer, consumer = self.sides["producer"].connector, self.sides["consumer"].connector
+        assert isinstance(producer, ProducerConnector) and isinstance(consumer, ConsumerConnector)
+        step = producer.step
+
+        def renewing_step() -> RankOutput:
+            waiting = {load.params["remote_request_id"] for load in (*consumer.pending.values(),
+                                                                     *consumer.in_flight.values())}
+            for request_id, held in producer.held.items():
+                if request_id in waiting:
+                    held.expires = max(held.expires, producer.clock + 1 + producer.lease_steps)
+            return step()
+
+        producer.step = renewing_step  # type: ignore[method-assign]
+
+
+def test_a_lease_renewed_while_a_consumer_waits_to_read_is_allowed() -> None:
+    """PD-LEASE-1 (MAY): a producer may keep a hold past its lease while a consumer request forwarded its params
+    waits to read it; once the read is reported, the lease runs again. The reference pair ends it at its lease and
+    passes too; the lease that never ends still fails."""
+    program = [*hand_over(steps=0)[:5], *[Call("step")] * (LEASE_STEPS + 8), Call("complete_transfers", (False, False)),
+               *[Call("step")] * 3]
+    assert run(HeartbeatPair, program) is None
+    assert run(ReferencePDAdapter, program) is None
+    violation = run(MUTANTS["pd-lease-never-ends"].adapter, PROGRAMS["pd-lease-never-ends"])
     assert violation is not None and violation.clause == "PD-LEASE-1", violation
