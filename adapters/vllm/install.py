@@ -59,6 +59,20 @@ Rule: leave out what needs an accelerator or a particular torch build, and nothi
 dependency the wheel declares for this platform goes in, if it has a wheel. The import probe (PROBED) is
 the judge of whether that was enough."""
 
+NIXL = ("nixl==1.5.1", "nixl-cu12==1.5.1")
+"""What `--nixl` adds for NixlConnector's worker (the `vllm-pd` adapter), each without its dependencies: the `nixl` meta
+package requires both `nixl-cu12` and `nixl-cu13` with no marker (CUDA 13 is not wanted on CPU torch), and `nixl-cu12`
+needs only torch and numpy, already here. On CPU torch `import nixl` falls back to the first installed backend."""
+
+NIXL_PROBE = """
+from nixl._api import nixl_agent, nixl_agent_config
+nixl_agent("kvconform-probe", nixl_agent_config(backends=["UCX"]))
+registry["NixlConnector"]()
+connectors.append("NixlConnector")
+"""
+"""With `--nixl`: an agent with the UCX backend builds, and vLLM's NixlConnector imports (NIXL logs to standard output:
+the probe's line is its last)."""
+
 PROBED = ("vllm.forward_context", "vllm.distributed.kv_transfer.kv_transfer_state")
 """Modules the engine imports beyond runtime.load()'s (which the probe also runs: scheduler, KV-cache manager,
 connector factory and base, configs); the probe also imports every offload connector the adapters drive."""
@@ -79,6 +93,7 @@ connectors = [name for name in ("OffloadingConnector", "SimpleCPUOffloadConnecto
               if name in registry]
 for name in connectors:
     registry[name]()
+{{nixl}}
 print(rt.version, len(runtime._IMPORTS) + len(glues) + {len(PROBED)}, *connectors)
 """
 """The import probe: what the adapters import, with runtime.load()'s private, offline environment."""
@@ -143,9 +158,10 @@ def last_line(completed: subprocess.CompletedProcess) -> str:
 class Installer:
     """One install of one release into this interpreter's environment, through uv, staged then committed."""
 
-    def __init__(self, version: str, run: Run = run_captured, say: Callable[[str], None] = print) -> None:
+    def __init__(self, version: str, run: Run = run_captured, say: Callable[[str], None] = print,
+                 nixl: bool = False) -> None:
         self.version = str(release_version(version))
-        self.run, self.say = run, say
+        self.run, self.say, self.nixl = run, say, nixl
         self.python = sys.executable
 
     def uv(self, *arguments: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -207,12 +223,12 @@ class Installer:
         """Import the adapters' modules in a subprocess (seeing `staging` first); return what it printed."""
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(staging) if staging else "",
                                                              os.environ.get("PYTHONPATH", ""))))}
-        completed = self.run([self.python, "-c", PROBE], env)
+        completed = self.run([self.python, "-c", PROBE.replace("{nixl}", NIXL_PROBE if self.nixl else "")], env)
         if completed.returncode != 0:
             raise InstallError(f"vLLM {self.version} installs but its scheduler side does not import "
                                f"({last_line(completed)}); this environment is unchanged: install the missing "
                                f"package by hand (pip install NAME) and run kvconform install-vllm again")
-        return completed.stdout.strip()
+        return (completed.stdout.strip().splitlines() or [""])[-1]
 
     def install(self) -> str:
         """Install the release: resolve, stage, probe, then commit the same pinned set; return the probe's line."""
@@ -220,6 +236,9 @@ class Installer:
         with tempfile.TemporaryDirectory(prefix="kvconform-vllm-install-") as work:
             workdir = Path(work)
             dist, pinned = self.resolve(workdir)
+            if self.nixl:
+                pinned += NIXL
+                (workdir / "pinned.txt").write_text("".join(f"{line}\n" for line in pinned))
             self.say(f"kvconform: {dist}=={self.version} and {len(pinned) - 1} packages it imports, "
                      f"without the GPU side; staging them")
             staging = workdir / "staging"
@@ -238,10 +257,10 @@ class Installer:
         return self.probe(None)
 
 
-def install(version: str, run: Run | None = None, say: Callable[[str], None] = print) -> str:
-    """Install vLLM `version`'s scheduler side into this environment, running tools with `run` (run_captured);
-    return the probe's line (version, modules imported, connectors)."""
-    return Installer(version, run or run_captured, say).install()
+def install(version: str, run: Run | None = None, say: Callable[[str], None] = print, nixl: bool = False) -> str:
+    """Install vLLM `version`'s scheduler side into this environment, running tools with `run` (run_captured), and
+    with `nixl` the NIXL wheels (NIXL); return the probe's line (version, modules imported, connectors)."""
+    return Installer(version, run or run_captured, say, nixl).install()
 
 
 def _not_on_index(completed: subprocess.CompletedProcess, dist: str) -> bool:
