@@ -210,7 +210,7 @@ class ReferencePDAdapter(KVConnectorAdapter):
                              f"width {config.token_width}, not {size}")
         transport = Transport()
         for role in ("producer", "consumer"):
-            def build_side(transfer: Any, role: str = role) -> PairSide:
+            def build_side(transfer: Any, defer_stores: bool, role: str = role) -> PairSide:
                 connector = (self.build_producer(PRODUCER_ID, transfer.gpu, size, transport) if role == "producer"
                              else self.build_consumer(transfer.gpu, size, transport))
                 return PairSide(connector, config.block_size)

@@ -372,6 +372,8 @@ class MatrixCell(BaseModel):
     seconds: float = 0.0
     behaviours: list[str] = []
     entries: list[MatrixEntry] = []
+    kit: str | None = Field(None, description="the kvconform commit that produced the cell, `+` after it if the tree "
+                                              "had changes not committed; None for a wheel or a cell run before")
 
 
 class ReleaseMatrix(BaseModel):
@@ -387,17 +389,31 @@ class ReleaseMatrix(BaseModel):
         self.cells.sort(key=lambda c: (rows.index(c.row) if c.row in rows else len(rows), Version(c.release)))
 
 
+def kit_commit(tree: Path | None) -> str | None:
+    """Return the commit of kvconform source tree `tree` (short id), with `+` if it has changes not committed; None
+    when there is no tree or it is no git checkout."""
+    if tree is None:
+        return None
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("+" if dirty else "")
+
+
 def matrix_cell(row_name: str, version: str, say: Callable[[str], None] = print,
                 timeout: float = RELEASE_TIMEOUT) -> MatrixCell:
     """Run one matrix cell: the row's adapter on the release, smoke profile, with the release's and the row's shipped
     known failures; return its verdict, steps and every entry it used, classified."""
     shipped = known_failures_folder() / f"{row_name}-{version}.txt"
+    kit = kit_commit(source_tree())
     arguments = [*MATRIX_ROWS[row_name], "--profile", MATRIX_PROFILE, "--database", "none",
                  *(["--known-failures", str(shipped)] if shipped.is_file() else [])]
     try:
         env = prepare(version, say)
     except ReleaseProblem as problem:
-        return MatrixCell(row=row_name, release=version, outcome="error", message=str(problem))
+        return MatrixCell(row=row_name, release=version, outcome="error", message=str(problem), kit=kit)
     result = run_release(version, env, arguments, timeout, say)
     entries = []
     if result.report is not None:
@@ -409,4 +425,4 @@ def matrix_cell(row_name: str, version: str, say: Callable[[str], None] = print,
                                            met=result.known_failures_met.get(entry.name, 0)))
     return MatrixCell(row=row_name, release=version, outcome=result.outcome, failed_clause=result.failed_clause,
                       message=result.message, steps=result.steps, seconds=result.seconds,
-                      behaviours=[b.partition(":")[0] for b in result.behaviours], entries=entries)
+                      behaviours=[b.partition(":")[0] for b in result.behaviours], entries=entries, kit=kit)

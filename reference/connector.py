@@ -441,15 +441,28 @@ class OffloadConnectorScheduler:
 
 
 class OffloadConnectorWorker:
-    """Worker side of the connector: executes jobs with real tensor copies (chapter `transfer`)."""
+    """Worker side of the connector: executes jobs with real tensor copies (chapter `transfer`); with `defer_stores`,
+    a step's stores are queued and submitted at the start of the next step (CONN-STEP-2's variant)."""
 
-    def __init__(self, transfer: TransferEngine) -> None:
+    def __init__(self, transfer: TransferEngine, defer_stores: bool = False) -> None:
         self.transfer = transfer
+        self.defer_stores = defer_stores
         self.in_flight: dict[int, TransferJob] = {}
+        self.queued: list[TransferJob] = []
+        """Stores prepared in the previous step, not submitted yet (`defer_stores`)."""
+        self.released: dict[int, bool] = {}
+        """Queued stores the harness let finish, with the outcome of the first completion: each runs when submitted."""
         self.finished: dict[int, bool] = {}
 
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
-        """Before the forward: run the flushed jobs to completion, then submit the loads (LIFE-FREE-2)."""
+        """Before the forward: submit the stores queued in the previous step, run the flushed jobs to completion, then
+        submit the loads (CONN-STEP-2, LIFE-FREE-2)."""
+        for job in self.queued:
+            if job.job_id in self.released:
+                self._finish(job, self.released.pop(job.job_id))
+            else:
+                self.in_flight[job.job_id] = job
+        self.queued = []
         for job_id in sorted(meta.jobs_to_flush & self.in_flight.keys()):
             self._finish(self.in_flight.pop(job_id), success=True)
         for job in meta.store_jobs:
@@ -459,16 +472,23 @@ class OffloadConnectorWorker:
             self.in_flight[job.job_id] = job
 
     def wait_for_save(self, meta: ConnectorMetadata) -> None:
-        """After the forward: submit this step's stores; their bytes are read when they run (XFER-STORE-1)."""
+        """After the forward: submit this step's stores, or with `defer_stores` queue them for the next step; their
+        bytes are read when they run (XFER-STORE-1)."""
         for job in meta.store_jobs:
             if job.job_id not in meta.jobs_to_flush:
-                self.in_flight[job.job_id] = job
+                if self.defer_stores:
+                    self.queued.append(job)
+                else:
+                    self.in_flight[job.job_id] = job
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
-        """Run every in-flight job now, with the given outcome per direction (CONN-STEP-4)."""
+        """Run every in-flight job now, with the given outcome per direction; a queued store finishes when it is
+        submitted, with the outcome of its first completion (CONN-STEP-4)."""
         for job_id in sorted(self.in_flight):
             job = self.in_flight.pop(job_id)
             self._finish(job, success=not (fail_stores if job.is_store else fail_loads))
+        for job in self.queued:
+            self.released.setdefault(job.job_id, not fail_stores)
 
     def _finish(self, job: TransferJob, success: bool) -> None:
         if success:
@@ -483,8 +503,8 @@ class OffloadConnectorWorker:
             self.transfer.copy_to_gpu(job.rows, job.gpu_blocks)
 
     def store_sources_in_flight(self) -> set[int]:
-        """Return the GPU blocks that in-flight stores will still read (XFER-SAFE-1)."""
-        return {block for job in self.in_flight.values() if job.is_store for block in job.gpu_blocks}
+        """Return the GPU blocks that in-flight or queued stores will still read (XFER-SAFE-1)."""
+        return {block for job in (*self.in_flight.values(), *self.queued) if job.is_store for block in job.gpu_blocks}
 
     def get_finished(self) -> ConnectorOutput:
         """Report the jobs finished since the last call (CONN-STEP-4)."""

@@ -247,7 +247,7 @@ class Engine:
         manager: Callable[[int, str, bool], OffloadManager] = OffloadManager,
         connector: Callable[[OffloadManager, EngineConfig, StepRecorder], OffloadConnectorScheduler] = (
             OffloadConnectorScheduler),
-        worker: Callable[[TransferEngine], OffloadConnectorWorker] = OffloadConnectorWorker,
+        worker: Callable[[TransferEngine, bool], OffloadConnectorWorker] = OffloadConnectorWorker,
         policy: Callable[[], SchedulingPolicy] = OwnPolicy,
     ) -> None:
         """Build the engine for `config` from its parts, each made by the factory of its name: the reference's
@@ -259,7 +259,7 @@ class Engine:
         self.connector = connector(self.manager, config, self.recorder)
         self.transfer = TransferEngine(config.num_gpu_blocks, config.num_offload_blocks, config.block_size,
                                        config.block_size_factor, config.token_width, config.kv_dtype, device)
-        self.worker = worker(self.transfer)
+        self.worker = worker(self.transfer, config.defer_stores)
         self.policy = policy()
         """The scheduling policy of a step that follows no other engine's schedule."""
         self.requests: dict[str, Request] = {}

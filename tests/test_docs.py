@@ -195,3 +195,17 @@ def test_lab_notes_are_not_on_the_site(site: Path) -> None:
     assert (ROOT / "docs" / "dev" / "vllm-driving-notes.md").is_file()
     assert not (site / "dev").exists()
     assert "vllm-driving" not in page(site, "")
+
+
+def test_release_matrix_names_each_cells_kit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The release matrix renders each cell's verdict with the kvconform commit that ran it, where the cell has one."""
+    from kvconform.releases import MatrixCell, ReleaseMatrix
+
+    hook = site_hook()
+    matrix = ReleaseMatrix(cells=[MatrixCell(row="vllm-offloading", release="0.28.0", outcome="ok", steps=1335,
+                                             kit="0123456789+"),
+                                  MatrixCell(row="vllm-offloading", release="0.30.0", outcome="ok", steps=1123)])
+    (tmp_path / "release-matrix.json").write_text(matrix.model_dump_json())
+    monkeypatch.setattr(hook, "DOCS", tmp_path)
+    table = hook.directive_release_matrix([], "adapters/vllm-releases.md")
+    assert "| `vllm-offloading` | conformant, 1335 steps, kit `0123456789+` | conformant, 1123 steps |" in table

@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common.values import Capabilities, EngineConfig, RequestSpec, TransferOutcome
 from kvconform.conformance import runner
+from kvconform.conformance.execution import Call, Session, replay
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.mutants.kills import kill
 from kvconform.conformance.profiles import PROFILES
@@ -58,3 +60,25 @@ def test_data_at_rest_and_job_mutants_killed_in_each_scheduling_mode(name: str, 
     row = MUTANTS[name]
     result = runner.run(row.adapter, name, "ci", scheduling=scheduling)
     assert result.failed_clause in row.clauses, f"{name}, {scheduling}: {result.failed_clause} ({result.message})"
+
+
+def test_stores_deferred_undeclared_fails_the_store_contents_and_declared_passes() -> None:
+    """CONN-STEP-2's variant: a worker that defers its stores while the adapter declares no `defer_stores` completes a
+    store a step after the reference (OFF-MGR-1); declared, the reference configured alike passes the same program."""
+    row = MUTANTS["stores-deferred-undeclared"]
+    config = EngineConfig(block_size_factor=1)
+    program = [Call("start", (config,)), Call("add_request", (RequestSpec(request_id="r", prompt=(2, 2, 2, 0)),)),
+               Call("step", (TransferOutcome(),))]
+    undeclared = replay(Session(row.adapter), program)
+    assert undeclared.violation is not None and undeclared.violation.clause == "OFF-MGR-1", undeclared.violation
+    declared = [Call("start", (config.model_copy(update={"defer_stores": True}),)), *program[1:]]
+    assert replay(Session(declaring(row.adapter)), declared).violation is None
+
+
+def declaring(adapter: type[ReferenceAdapter]) -> type[ReferenceAdapter]:
+    """Return the adapter declaring the variant `defer_stores` it takes."""
+
+    def capabilities(self: ReferenceAdapter) -> Capabilities:
+        return adapter.capabilities(self).model_copy(update={"defer_stores": (True,)})
+
+    return type(f"Declared{adapter.__name__}", (adapter,), {"capabilities": capabilities})

@@ -644,6 +644,23 @@ def test_worker_flushes_before_loads():
     assert list(worker.in_flight) == [1] and worker.get_finished().finished_jobs == {0: True}
 
 
+def test_deferred_stores_are_submitted_at_the_next_step():
+    """CONN-STEP-2's variant `defer_stores`: a step's store is queued after the forward and submitted at the next
+    step's start, before its flushes; let finish while queued, it runs then, with its first completion's outcome."""
+    worker = OffloadConnectorWorker(TransferEngine(4, 2, 4, 1, 2, "float32", CPU), defer_stores=True)
+    stores = [TransferJob(0, "r", True, [K[0]], [0], [1], [0]), TransferJob(1, "s", True, [K[1]], [0], [2], [1])]
+    worker.wait_for_save(ConnectorMetadata([], stores, set()))
+    assert worker.in_flight == {} and worker.store_sources_in_flight() == {1, 2}
+    worker.complete_transfers(fail_loads=False, fail_stores=False)
+    worker.complete_transfers(fail_loads=False, fail_stores=True)  # the first completion's outcome holds
+    assert worker.get_finished().finished_jobs == {}
+    worker.start_load_kv(ConnectorMetadata([], [], set()))
+    assert worker.in_flight == {} and worker.get_finished().finished_jobs == {0: True, 1: True}
+    worker.wait_for_save(ConnectorMetadata([], stores, set()))
+    worker.start_load_kv(ConnectorMetadata([], [], {1}))  # submitted, then the flushed one waited for
+    assert list(worker.in_flight) == [0] and worker.get_finished().finished_jobs == {1: True}
+
+
 def test_connector_output_finishes_each_job_once(conn):
     """CONN-STEP-4: a reported store job completes its keys once; reporting it again is an error."""
     c = conn()

@@ -273,3 +273,21 @@ def test_the_plugin_runs_one_test_per_release_into_one_report(tmp_path: Path) ->
                              cwd=tmp_path)
     assert refused.returncode == 4, refused.stderr
     assert "expected releases A,B,C or a range A..B" in refused.stderr, refused.stderr
+
+
+def test_a_matrix_cell_names_the_kit_commit_that_ran_it(tmp_path: Path) -> None:
+    """A cell's `kit` is the commit of the kvconform tree that ran it, `+` after it while that tree has changes not
+    committed; none outside a git checkout."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=k", "-c", "user.email=k@k"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "tracked.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "tracked.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "untracked.py").write_text("")
+    assert releases.kit_commit(tmp_path) == head
+    (tmp_path / "tracked.py").write_text("x = 2\n")
+    assert releases.kit_commit(tmp_path) == head + "+"
+    assert releases.kit_commit(tmp_path / "nowhere") is None and releases.kit_commit(None) is None
+    cell = releases.MatrixCell(row="vllm-offloading", release="0.28.0", outcome="ok", kit=head + "+")
+    assert releases.MatrixCell.model_validate_json(cell.model_dump_json()).kit == head + "+"

@@ -43,7 +43,7 @@ class VllmOffloadingAdapter(VllmAdapter):
                             lookup_after_failed_load=(not self.skips_lookup_after_failed_load(),),
                             local_hit_after_failed_load=(not self.reports_failed_loads_by_request(),),
                             restart_offers_on_lookup=(self.restarts_offers_on_lookup(),),
-                            arc_t1_fallback=(arc_falls_back_to_t1(),),
+                            arc_t1_fallback=(arc_falls_back_to_t1(),), defer_stores=(self.defers_stores(),),
                             reads_stored_kv=True, **self.base_capabilities())
 
     def connector_behaviours(self) -> tuple[str, ...]:
@@ -61,6 +61,8 @@ class VllmOffloadingAdapter(VllmAdapter):
                 self.restarts_offers_on_lookup(),
             "arc-t1-fallback: ARCCachePolicy.evict takes a T1 victim when T2 has none (OFF-ARC-4)":
                 arc_falls_back_to_t1(),
+            "defers-stores: OffloadingConnectorWorker.prepare_store_kv queues a step's stores for the next step "
+            "(CONN-STEP-2)": self.defers_stores(),
         }
         return tuple(name for name, present in found.items() if present)
 
@@ -104,6 +106,15 @@ class VllmOffloadingAdapter(VllmAdapter):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 
         return "next_stored" in inspect.getsource(OffloadingConnectorScheduler.get_num_new_matched_tokens)
+
+    def defers_stores(self) -> bool:
+        """Return whether the worker side submits a step's stores at the start of the next step (CONN-STEP-2's
+        variant): its `prepare_store_kv` queues them in `_unsubmitted_store_jobs`, which `handle_preemptions` and
+        `start_kv_transfers` submit."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+
+        prepare = getattr(OffloadingConnectorWorker, "prepare_store_kv", None)
+        return prepare is not None and "_unsubmitted_store_jobs" in inspect.getsource(prepare)
 
     def start(self, config: EngineConfig) -> None:
         self.manager: Any = None

@@ -369,6 +369,14 @@ class StoreBeforeComputeWorker(OffloadConnectorWorker):
             super().copy(job)
 
 
+class StoresDeferredUndeclaredWorker(OffloadConnectorWorker):
+    """vLLM's OffloadingConnector worker (`prepare_store_kv`): every store is submitted at the start of the next step,
+    while the adapter declares no `defer_stores` (CONN-STEP-2's variant): its stores complete a step late."""
+
+    def __init__(self, transfer, defer_stores=False):
+        super().__init__(transfer, defer_stores=True)
+
+
 class CorruptingStoreWorker(OffloadConnectorWorker):
     """A store changes one KV element of each block it writes (data integrity)."""
 
@@ -382,8 +390,8 @@ class CorruptsAtRestWorker(OffloadConnectorWorker):
     """A store writes its blocks whole into a staging copy, which every load reads, and with one KV element changed
     into the store itself: the bytes at rest are wrong, yet no load ever brings them back (data at rest)."""
 
-    def __init__(self, transfer):
-        super().__init__(transfer)
+    def __init__(self, transfer, defer_stores=False):
+        super().__init__(transfer, defer_stores)
         self.staging = transfer.store.clone()
 
     def copy(self, job):
@@ -727,6 +735,8 @@ MUTANTS = {
     "answers-during-transfers": row(AnswersDuringTransfersConnector, "offloading scheduler contract", "CONN-MATCH-4"),
     "hit-while-loading": row(HitWhileLoadingConnector, "offloading scheduler contract", "OFF-LOOKUP-4"),
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
+    "stores-deferred-undeclared": row(StoresDeferredUndeclaredWorker, "offloading/worker.py prepare_store_kv",
+                                      "OFF-MGR-1"),
     "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-3", "XFER-DATA-1"),
     "corrupts-at-rest": row(CorruptsAtRestWorker, "data at rest", "XFER-DATA-3"),
     "store-reported-twice": row(CompletesStoresTwiceConnector, "offloading scheduler contract", "CONN-STEP-4"),

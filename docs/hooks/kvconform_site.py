@@ -534,9 +534,11 @@ def directive_release_matrix(args: list[str], page: str) -> str:
         met = sum(entry.met for entry in cell.entries)
         said = {"ok": "conformant", "fail": f"**fails {cell.failed_clause}**", "info": "**unknown (a hang)**",
                 "error": "could not run"}[cell.outcome]
-        return f"{said}, {cell.steps} steps" + (f", {met} known failures met" if met else "")
+        kit = f", kit `{cell.kit}`" if cell.kit else ""
+        return f"{said}, {cell.steps} steps" + (f", {met} known failures met" if met else "") + kit
 
-    lines = [f"Profile `{matrix.profile}`, each release's and each adapter's shipped known failures.", "",
+    lines = [f"Profile `{matrix.profile}`, each release's and each adapter's shipped known failures; `kit` is the "
+             f"kvconform commit that ran the cell (`+`: with changes not committed).", "",
              "| adapter | " + " | ".join(f"vLLM {v}" for v in releases) + " |",
              "| --- | " + " | ".join("---" for _ in releases) + " |"]
     lines += [f"| `{row}` | " + " | ".join(verdict(cells.get((row, v))) for v in releases) + " |" for row in rows]
