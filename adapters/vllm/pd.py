@@ -192,10 +192,17 @@ class PDEngine(VllmConnectorAdapter):
             forward_writes=frozenset(trace.forward_writes))
 
     def close(self) -> None:
-        """Stop the connector's threads and side channel, then release the engine."""
-        for connector in (self.scheduler.connector, *(rank.worker for rank in self.ranks)):
-            connector.shutdown()
-        super().close()
+        """Stop the connector's threads and side channel, release NIXL's agents now (their UCX threads poll until the
+        agent is destroyed, and a failure's traceback keeps the engine alive through shrinking), then the engine."""
+        try:
+            for connector in (self.scheduler.connector, *(rank.worker for rank in self.ranks)):
+                connector.shutdown()
+        finally:
+            for rank in self.ranks:
+                worker = getattr(rank.worker, "connector_worker", None)
+                if hasattr(worker, "nixl_wrapper"):
+                    worker.nixl_wrapper = None
+            super().close()
 
 
 class VllmPDAdapter(EnginePair):
@@ -246,6 +253,9 @@ class VllmPDAdapter(EnginePair):
         """The connector completes its transfers itself (`harness_completes_transfers` False)."""
 
     def close(self) -> None:
-        for engine in self.engines.values():
-            if engine.scheduler is not None:
-                engine.close()
+        try:
+            if self.engines["producer"].scheduler is not None:
+                self.engines["producer"].close()
+        finally:
+            if self.engines["consumer"].scheduler is not None:
+                self.engines["consumer"].close()
