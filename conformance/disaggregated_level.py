@@ -20,19 +20,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvconform.common.values import EngineStep, RequestSpec, ResourceUsage, StepObservation, TransferOutcome
+from kvconform.common.values import (
+    REMOTE_FIELDS,
+    EngineStep,
+    RequestSpec,
+    ResourceUsage,
+    StepObservation,
+    TransferOutcome,
+)
 from kvconform.conformance.checks import ClauseViolation, check
 from kvconform.conformance.connector_level import ConnectorJudge
 
 if TYPE_CHECKING:
     pass
 
-REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids")
-"""What a consumer's params must carry, besides `do_remote_prefill`, to load (PD-PARAMS-2)."""
-
 LEASE_SLACK_STEPS = 2
-"""Steps past a harness-clocked lease that a hold may take to end: its release is reported by the step that processes
-it, one step later with async scheduling (PD-LEASE-1)."""
+"""Steps past a lease that a hold may take to end: its release is reported by the step that processes it, one step
+later with async scheduling (PD-LEASE-1)."""
 
 LEASE_SLACK_SECONDS = 2.0
 """Seconds past a lease on the connector's clock that a hold may take to end: the producer polls its lease from its
@@ -80,11 +84,25 @@ class Hold:
 
     step: int
     """The step its request finished in."""
+    called: float
+    """When that step was called (`Execution.step_called`): the earliest its lease can have begun."""
     started: float
-    """When that step was observed (`time.monotonic`)."""
+    """When that step returned (`time.monotonic`): the latest its lease can have begun."""
     block_ids: tuple[int, ...]
     read_at: tuple[int, float] | None = None
     """The step and time a consumer reported, by every rank, a successful read of it (PD-NOTIFY-1)."""
+    lease_step: int | None = None
+    """On the connector's clock, the first step called once the lease had surely ended: the producer ends the hold
+    when a step of its polls the lease, and reports it in that step or, with async scheduling, a later one
+    (PD-LEASE-1)."""
+    claimed: tuple[int, float] | None = None
+    """The step and time a consumer request forwarded its params last waited to read it: the producer may renew the
+    lease until then (PD-LEASE-1, vLLM NIXL's heartbeats)."""
+
+    def lease_from(self) -> tuple[int, float]:
+        """Return the step and time the lease must be counted from at the latest: the hold's start, or its last
+        claim."""
+        return self.claimed or (self.step, self.started)
 
 
 @dataclass
@@ -218,7 +236,16 @@ class DisaggregatedJudge(ConnectorJudge):
         pair.preempted = (pair.preempted | set(observation.preempted)) - set(observation.scheduled_tokens)
         for request_id, blocks in producer.held.items():
             if request_id not in pair.holds and request_id in producer.params:
-                pair.holds[request_id] = Hold(step, now, tuple(blocks))
+                pair.holds[request_id] = Hold(step, self.execution.step_called, now, tuple(blocks))
+        waiting = {params["remote_request_id"] for decode, params in pair.decodes.items()
+                   if valid_params(params) and decode in self.trace.unfinished and decode not in pair.received}
+        lease = self.execution.capabilities.lease_seconds
+        for request_id, held in pair.holds.items():
+            if request_id in waiting:
+                held.claimed, held.lease_step = (step, now), None
+            over = lease is not None and self.execution.step_called - held.lease_from()[1] > lease
+            if over and held.lease_step is None:
+                held.lease_step = step
         for request_id in producer.finished_sending:
             pair.released.add(request_id)
             hold = pair.holds.pop(request_id, None)
@@ -243,12 +270,27 @@ class DisaggregatedJudge(ConnectorJudge):
         pair.completed -= set(consumer.finished_recving)
         pair.loaded -= set(observation.finished)
 
-    def lease_over(self, hold: Hold, slack: float = 0.0) -> bool:
+    def lease_over(self, hold: Hold) -> bool:
         """Return True once a hold's lease may have ended (one step early on the harness's clock: the lease counts the
-        step its request finished in)."""
+        step its request finished in; from the call of that step on the connector's)."""
+        return self.elapsed(hold.step, hold.called, self.lease_steps, self.execution.capabilities.lease_seconds)
+
+    @property
+    def lease_steps(self) -> int | None:
+        """The steps a harness-clocked lease runs after the step its request finished in (it counts that step)."""
+        steps = self.execution.capabilities.lease_steps
+        return None if steps is None else steps - 2
+
+    def lease_overdue(self, hold: Hold) -> bool:
+        """Return True once a hold must have ended: past its lease by the slack, counted from the step its request
+        finished in or the last a consumer request waited to read it; on the connector's clock, from that step's
+        return, and more than LEASE_SLACK_STEPS steps after the first step called once the lease was over."""
         capabilities = self.execution.capabilities
-        steps = None if capabilities.lease_steps is None else capabilities.lease_steps - 2
-        return self.elapsed(hold.step, hold.started, steps, capabilities.lease_seconds, slack)
+        step, started = hold.lease_from()
+        if capabilities.lease_seconds is None:
+            return self.elapsed(step, started, self.lease_steps, None, LEASE_SLACK_STEPS + 2)
+        return (self.elapsed(step, started, None, capabilities.lease_seconds, LEASE_SLACK_SECONDS)
+                and hold.lease_step is not None and self.trace.steps + 1 - hold.lease_step > LEASE_SLACK_STEPS)
 
 
 def _fault(clause: str, message: str) -> ClauseViolation:
@@ -458,8 +500,7 @@ def check_hold_ends(judge: DisaggregatedJudge, observation: StepObservation, pro
                                             f"producer still holds its blocks {judge.trace.steps + 1 - step} steps "
                                             "later: their notifications did not end the hold")
         judge.exercise("PD-LEASE-1")
-        slack = LEASE_SLACK_SECONDS if capabilities.lease_seconds is not None else LEASE_SLACK_STEPS + 2
-        if judge.lease_over(hold, slack):
+        if judge.lease_overdue(hold):
             lease = (f"{capabilities.lease_seconds:g} s" if capabilities.lease_seconds is not None
                      else f"{capabilities.lease_steps} steps")
             raise _fault("PD-LEASE-1", f"the producer still holds the blocks of {request_id!r}, finished in step "

@@ -207,6 +207,8 @@ class Execution:
         """The adapter's answers to the steps so far, for a scenario's expectations."""
         self.returned_params: dict[str, dict[str, Any] | None] = {}
         """A pair's finished producer requests -> the kv_transfer_params they returned (chapter `disaggregated`)."""
+        self.step_called = 0.0
+        """When the latest step was called (`time.monotonic`): what the adapter did in it began no earlier."""
 
     # --- the adapter ---------------------------------------------------------------------------
 
@@ -333,6 +335,7 @@ class Execution:
         self.call("decode", spec, params)
 
     def _step(self, complete_transfers: TransferOutcome | None = None) -> None:
+        self.step_called = time.monotonic()
         actual = self.call("step", *([] if complete_transfers is None else [complete_transfers]))
         self.observations.append(actual)
         if actual.disaggregated is not None:

@@ -22,15 +22,13 @@ from typing import Any
 
 import torch
 
+from kvconform.common.values import REMOTE_FIELDS
 from kvconform.reference.errors import InvalidCall
 
 LEASE_STEPS = 8
 """Producer steps a delayed free waits for the consumer's notification before the lease ends it: short enough that a
 drain (`execution.DRAIN_STEP_LIMIT` steps) outlasts the holds of the most requests a program keeps live, one after
 another where the pool holds one at a time."""
-
-REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids")
-"""What a consumer's params must carry, besides `do_remote_prefill`, to load (PD-PARAMS-2)."""
 
 
 @dataclass

@@ -3,17 +3,19 @@ size, each P/D mutant fails its own clause on a program that shows its bug, and 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.reference_pd import ReferencePDAdapter
-from kvconform.common.values import EngineConfig, RequestSpec
-from kvconform.conformance import options, runner, scenarios
+from kvconform.common.values import Capabilities, EngineConfig, RequestSpec, StepObservation, TransferOutcome
+from kvconform.conformance import disaggregated_level, options, runner, scenarios
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Execution, Session, judged_levels
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.operations import Call
-from kvconform.reference.disaggregated import LEASE_STEPS
+from kvconform.reference.disaggregated import LEASE_STEPS, ConsumerConnector, ProducerConnector, RankOutput
 
 PROMPT = (1, 2, 3, 0) * 3
 
@@ -125,3 +127,103 @@ def test_bad_input_is_one_line() -> None:
                                   level="disaggregated").call("decode", RequestSpec(request_id="d", prompt=(1,)), "p")
     with pytest.raises(scenarios.ScenarioError, match="no prefill sent to the producer"):
         scenarios.check(scenario, Session(ReferencePDAdapter))
+
+
+class WallClockProducer(ProducerConnector):
+    """The reference producer with its lease on the wall clock, as vLLM NIXL's: it begins when `request_finished`
+    answers and ends at the first step that polls it after `WALL_LEASE` seconds."""
+
+    def request_finished(self, request_id: str, block_ids: list[int], params: dict | None,
+                         finished_normally: bool) -> tuple[bool, dict | None]:
+        answer = super().request_finished(request_id, block_ids, params, finished_normally)
+        if request_id in self.held:
+            self.held[request_id].expires = time.monotonic() + WALL_LEASE  # type: ignore[assignment]
+        return answer
+
+    def step(self) -> RankOutput:
+        self.clock = time.monotonic() - 1  # type: ignore[assignment]  # the reference's step advances it by one
+        return super().step()
+
+
+WALL_LEASE = 0.5
+
+
+class SlowStepsPair(ReferencePDAdapter):
+    """The reference pair on the connector's clock (`lease_seconds`), its steps taking `pauses[i]` seconds after the
+    producer's part of step i (the consumer's part: vLLM's forward, NIXL's handshake), else PAUSE."""
+
+    PAUSE = 0.02
+    pauses: dict[int, float] = {}
+
+    def __init__(self) -> None:
+        super().__init__(producer=WallClockProducer)
+        self.steps = 0
+
+    def capabilities(self) -> Capabilities:
+        return super().capabilities().model_copy(update={"lease_steps": None, "lease_seconds": WALL_LEASE})
+
+    def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
+        observation = super().step(complete_transfers)
+        time.sleep(self.pauses.get(self.steps, self.PAUSE))
+        self.steps += 1
+        return observation
+
+
+def unread_hold(steps: int) -> list[Call]:
+    return [Call("start", (config(),)), Call("prefill", (RequestSpec(request_id="p", prompt=PROMPT),)),
+            *[Call("step")] * steps]
+
+
+def test_a_lease_on_the_connectors_clock_runs_from_the_call_of_the_step_that_began_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PD-HOLD-1: the step in which the producer's request finishes is slow after the lease began (the consumer's
+    part); the producer ends the unread hold at its lease, counted from inside that step: no failure. Measured from
+    the step's return, the hold ended before its lease, neither read nor expired."""
+    monkeypatch.setattr(SlowStepsPair, "pauses", {0: 0.35})
+    assert run(SlowStepsPair, unread_hold(int(WALL_LEASE / SlowStepsPair.PAUSE) + 10)) is None
+
+
+def test_a_hold_ended_within_two_steps_of_the_first_step_past_its_lease_is_in_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PD-LEASE-1: a step called before the lease ended outlasts the lease and its slack; the producer ends the hold
+    in the next step, the first to poll it past the lease: no failure. A hold still there past that (the lease that
+    never ends) fails."""
+    monkeypatch.setattr(disaggregated_level, "LEASE_SLACK_SECONDS", 0.2)
+    monkeypatch.setattr(SlowStepsPair, "pauses", {1: 0.5 * WALL_LEASE, 2: WALL_LEASE + 0.3})
+    assert run(SlowStepsPair, unread_hold(8)) is None
+    monkeypatch.setattr(WallClockProducer, "step", lambda self: ProducerConnector.step(self))  # the lease never ends
+    violation = run(SlowStepsPair, unread_hold(8))
+    assert violation is not None and violation.clause == "PD-LEASE-1", violation
+
+
+class HeartbeatPair(ReferencePDAdapter):
+    """The reference pair whose producer renews a hold's lease while a consumer read of it is planned or in flight, as
+    vLLM NIXL's consumer heartbeats do (`nixl/base_worker.py` `_handle_heartbeat`)."""
+
+    def start(self, config: EngineConfig) -> None:
+        super().start(config)
+        producer, consumer = self.sides["producer"].connector, self.sides["consumer"].connector
+        assert isinstance(producer, ProducerConnector) and isinstance(consumer, ConsumerConnector)
+        step = producer.step
+
+        def renewing_step() -> RankOutput:
+            waiting = {load.params["remote_request_id"] for load in (*consumer.pending.values(),
+                                                                     *consumer.in_flight.values())}
+            for request_id, held in producer.held.items():
+                if request_id in waiting:
+                    held.expires = max(held.expires, producer.clock + 1 + producer.lease_steps)
+            return step()
+
+        producer.step = renewing_step  # type: ignore[method-assign]
+
+
+def test_a_lease_renewed_while_a_consumer_waits_to_read_is_allowed() -> None:
+    """PD-LEASE-1 (MAY): a producer may keep a hold past its lease while a consumer request forwarded its params
+    waits to read it; once the read is reported, the lease runs again. The reference pair ends it at its lease and
+    passes too; the lease that never ends still fails."""
+    program = [*hand_over(steps=0)[:5], *[Call("step")] * (LEASE_STEPS + 8), Call("complete_transfers", (False, False)),
+               *[Call("step")] * 3]
+    assert run(HeartbeatPair, program) is None
+    assert run(ReferencePDAdapter, program) is None
+    violation = run(MUTANTS["pd-lease-never-ends"].adapter, PROGRAMS["pd-lease-never-ends"])
+    assert violation is not None and violation.clause == "PD-LEASE-1", violation
