@@ -121,11 +121,14 @@ class VllmOffloadingAdapter(VllmAdapter):
 
     def reset_clears_transfer_jobs(self) -> bool:
         """Return whether a connector reset makes the requests forget the jobs it discards (CONN-MATCH-4's variant):
-        0.28+ `reset_cache` clears each tracked request's `transfer_jobs` (0.28.0 offloading/scheduler.py:1680); 0.24
-        keeps them, waiting for completions it ignores (OFF-MGR-8, `reset_prefix_cache`)."""
+        0.28+ `reset_cache` clears each tracked request's `transfer_jobs` (0.28.0 offloading/scheduler.py:1680), 0.33+
+        in the `_reset_cache` it calls; 0.24 keeps them, waiting for completions it ignores (OFF-MGR-8,
+        `reset_prefix_cache`)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 
-        return "transfer_jobs.clear()" in inspect.getsource(OffloadingConnectorScheduler.reset_cache)
+        scheduler = OffloadingConnectorScheduler
+        methods = (scheduler.reset_cache, getattr(scheduler, "_reset_cache", None))
+        return any("transfer_jobs.clear()" in inspect.getsource(method) for method in methods if method is not None)
 
     def start(self, config: EngineConfig) -> None:
         self.manager: Any = None
