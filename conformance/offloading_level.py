@@ -110,7 +110,10 @@ class OffloadingJudge:
             result = self.engine.step(outcome, ctx.followed, deviations)
             expected = self.observer.step(result)
         ctx.facts = result.facts
+        since = self.engine.connector.store_differs_since
         for clause, what in result.trace.adopted:
+            if since is not None and clause in DEVIATIONS_FOLLOWED["victims"]:
+                what += f" (the store differing since {since})"
             violation = ClauseViolation(clause, f"adapter.step(): {what}")
             if not baseline.tolerates(violation):
                 raise violation

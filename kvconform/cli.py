@@ -483,7 +483,7 @@ def matrix_command(rows: tuple[str, ...], vllm_releases: str | None, output: Pat
     tree = releases.source_tree()
     if output is None and tree is None:
         _usage_error("no source tree to write docs/release-matrix.json into: pass --output PATH")
-    path = output or Path(str(tree)) / "docs" / "release-matrix.json"
+    path = output or Path(str(tree)) / releases.MATRIX_FILE
     try:
         versions = (releases.verdict_releases() if vllm_releases is None else releases.parse_releases(
             vllm_releases, ready=lambda version: releases.is_ready(releases.environment(version))))

@@ -328,6 +328,8 @@ MATRIX_ROWS: dict[str, tuple[str, ...]] = {
 """The rows of the matrix: the two white-box adapters and the black-box OffloadingConnector, each by its known-failures
 file name (`ROW-VERSION.txt`)."""
 MATRIX_PROFILE = "smoke"
+MATRIX_FILE = "docs/release-matrix.json"
+"""Where `kvconform matrix` writes the matrix in a source tree, which the docs render."""
 CLASSES = ("bug", "design", "variant")
 """How a shipped entry's reason starts: a real bug of the release (file:line), a design choice the spec should allow,
 a variant the spec allows that the adapter does not declare."""
@@ -390,15 +392,15 @@ class ReleaseMatrix(BaseModel):
 
 
 def kit_commit(tree: Path | None) -> str | None:
-    """Return the commit of kvconform source tree `tree` (short id), with `+` if it has changes not committed; None
-    when there is no tree or it is no git checkout."""
+    """Return the commit of kvconform source tree `tree` (short id), with `+` if it has changes not committed other
+    than the matrix the cells are written to; None when there is no tree or it is no git checkout."""
     if tree is None:
         return None
     head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True)
     if head.returncode != 0:
         return None
-    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            f":(exclude){MATRIX_FILE}"], capture_output=True, text=True).stdout.strip()
     return head.stdout.strip() + ("+" if dirty else "")
 
 

@@ -126,6 +126,9 @@ class OffloadConnectorScheduler:
         self.pending_loads: list[TransferJob] = []
         self.pending_flushes: set[int] = set()
         self.key_origin: dict[OffloadKey, tuple[str, int]] = {}
+        self.store_differs_since: str | None = None
+        """Why the followed engine's store may hold or order other blocks than this one since a declined deviation: a
+        victim it evicted otherwise is that deviation's consequence (OFF-LRU-1, OFF-ARC-1); None after a reset."""
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -337,7 +340,10 @@ class OffloadConnectorScheduler:
         if deviations.offers is None:
             return own
         theirs = list(deviations.offers.get(request.request_id, ()))
-        if theirs == own or any(index >= end for index in theirs):
+        if theirs == own:
+            return own
+        if any(index >= end for index in theirs):
+            self.store_differs_since = "the offer of uncomputed blocks"
             return own
         clause = "OFF-READ-3" if request.skip_reading_prefix_cache and set(own) - set(theirs) else "OFF-STORE-1"
         self.recorder.adopted.append((clause, f"{request.request_id!r} offered blocks {theirs}, not {own}"))
@@ -382,9 +388,11 @@ class OffloadConnectorScheduler:
                     self.states[job.request_id].load_failed |= not success  # a stale failure is ignored (OFF-MGR-8)
             for block_id in job.gpu_blocks:
                 self._forget_store_reader(block_id, job_id)
-            state = self.states[job.request_id]
             if not job.is_store:
                 update.loads_done[job.request_id] = success
+            state = self.states.get(job.request_id)
+            if state is None:  # forgotten at a reset with `reset_clears_transfer_jobs`, then finished (CONN-MATCH-4)
+                continue
             state.transfer_jobs.discard(job_id)
             if state.finished and not state.transfer_jobs:
                 if not state.finish_offer_due:
@@ -427,9 +435,11 @@ class OffloadConnectorScheduler:
                     self.store_jobs_by_gpu_block.setdefault(block_id, set()).add(job_id)
 
     def reset_cache(self) -> None:
-        """Empty the store; in-flight jobs are flushed and their completions ignored (OFF-MGR-8)."""
+        """Empty the store; in-flight jobs are flushed and their completions ignored (OFF-MGR-8); with
+        `reset_clears_transfer_jobs` an unfinished request no longer waits for its discarded jobs (CONN-MATCH-4)."""
         self.pending_flushes |= self.jobs.keys()
         self.manager.reset()
+        self.store_differs_since = None
         self.stale_job_threshold = self.job_counter
         self.keys_being_loaded.clear()
         for request_id, state in list(self.states.items()):
@@ -438,6 +448,8 @@ class OffloadConnectorScheduler:
                 state.finish_offer_due = False
                 if not state.transfer_jobs:
                     del self.states[request_id]
+            elif self.config.reset_clears_transfer_jobs:
+                state.transfer_jobs.clear()
 
 
 class OffloadConnectorWorker:

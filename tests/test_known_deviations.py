@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.vllm import runtime
 from kvconform.cli import main
+from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import baseline, options, runner
 from kvconform.conformance.baseline import Baseline, Entry
 from kvconform.conformance.checks import ClauseViolation
@@ -171,3 +172,40 @@ def test_a_scheduler_deviation_is_listed_once_for_every_adapter_on_its_release()
     listed = baseline.Baseline(list(run.known_entries))
     assert replay(Session(VllmOffloadingAdapter, baseline=listed), program).violation is None
     assert listed.met == {"SCHED-ALLOC-1 /for which the free blocks do not hold/": 1}, listed.met
+
+
+class OffersUncomputedAtFinishConnector(OffloadConnectorScheduler):
+    """Offers a finished request's blocks up to its last token, whose KV was never computed, as vLLM 0.28 does
+    (offloading/scheduler.py:1265-1266): an offer the reference declines to follow (OFF-STORE-1)."""
+
+    def _store_candidates(self, output):
+        for state, num_offloadable, block_ids in super()._store_candidates(output):
+            if state.finished:
+                num_offloadable = min(state.request.num_tokens, len(state.block_ids) * self.block_size)
+            yield state, num_offloadable, block_ids
+
+
+class OffersUncomputedAtFinishAdapter(ReferenceAdapter):
+    def __init__(self, device=None):
+        super().__init__(device, engine=functools.partial(Engine, connector=OffersUncomputedAtFinishConnector))
+
+    def capabilities(self):
+        return super().capabilities().model_copy(update={"offer_at_finish": (True,)})
+
+
+def test_a_victim_after_a_declined_offer_of_uncomputed_blocks_names_that_offer():
+    """The reference does not follow an offer of uncomputed blocks: the stores differ from then on, and a victim the
+    engine evicts otherwise says so, so that an entry can list it as that offer's consequence (0.28.0's ci run:
+    r9's uncomputed block 0 touches r3's equal block in ARC, and r10's offer evicts another block)."""
+    config = EngineConfig(block_size_factor=1, num_offload_blocks=12, eviction_policy="arc", offer_at_finish=True)
+    program = [Call("start", (config,)), Call("add_request", (RequestSpec(request_id="r3", prompt=(2,) * 44),)),
+               Call("add_request", (RequestSpec(request_id="r9", prompt=(2, 2), max_tokens=2),)),
+               Call("add_request", (RequestSpec(request_id="r10", prompt=(2, 2, 1, 2, 2, 0, 0), max_tokens=2),)),
+               Call("drain")]
+    offered = replay(Session(OffersUncomputedAtFinishAdapter), program).violation
+    assert offered is not None and offered.clause == "OFF-STORE-1" and "offered at finish: r9" in offered.detail
+    listed = Baseline([Entry("OFF-STORE-1", "bug", cause=re.compile("offered at finish")),
+                       Entry("OFF-LRU-1", "design", rare=True)])
+    victim = replay(Session(OffersUncomputedAtFinishAdapter, baseline=listed), program).violation
+    assert victim is not None and victim.clause == "OFF-ARC-1", victim
+    assert victim.detail.endswith("(the store differing since the offer of uncomputed blocks)"), victim.detail

@@ -62,23 +62,34 @@ def test_data_at_rest_and_job_mutants_killed_in_each_scheduling_mode(name: str, 
     assert result.failed_clause in row.clauses, f"{name}, {scheduling}: {result.failed_clause} ({result.message})"
 
 
-def test_stores_deferred_undeclared_fails_the_store_contents_and_declared_passes() -> None:
-    """CONN-STEP-2's variant: a worker that defers its stores while the adapter declares no `defer_stores` completes a
-    store a step after the reference (OFF-MGR-1); declared, the reference configured alike passes the same program."""
-    row = MUTANTS["stores-deferred-undeclared"]
-    config = EngineConfig(block_size_factor=1)
-    program = [Call("start", (config,)), Call("add_request", (RequestSpec(request_id="r", prompt=(2, 2, 2, 0)),)),
-               Call("step", (TransferOutcome(),))]
-    undeclared = replay(Session(row.adapter), program)
-    assert undeclared.violation is not None and undeclared.violation.clause == "OFF-MGR-1", undeclared.violation
-    declared = [Call("start", (config.model_copy(update={"defer_stores": True}),)), *program[1:]]
-    assert replay(Session(declaring(row.adapter)), declared).violation is None
+UNDECLARED_VARIANTS = {  # mutant -> (its variant, the clause it fails undeclared, the program, its config)
+    "stores-deferred-undeclared": ("defer_stores", "OFF-MGR-1", EngineConfig(block_size_factor=1), [
+        Call("add_request", (RequestSpec(request_id="r", prompt=(2, 2, 2, 0)),)), Call("step", (TransferOutcome(),))]),
+    "reset-clears-transfer-jobs-undeclared": (
+        "reset_clears_transfer_jobs", "CONN-MATCH-4", EngineConfig(block_size_factor=1, async_scheduling=True), [
+            Call("add_request", (RequestSpec(request_id="r", prompt=tuple(range(12)), max_tokens=4),)), Call("step"),
+            Call("preempt", ("r",)), Call("reset_prefix_cache", (True,)), Call("step"), Call("step"), Call("step"),
+            Call("drain")]),
+}
 
 
-def declaring(adapter: type[ReferenceAdapter]) -> type[ReferenceAdapter]:
-    """Return the adapter declaring the variant `defer_stores` it takes."""
+@pytest.mark.parametrize("name", sorted(UNDECLARED_VARIANTS))
+def test_an_undeclared_variant_fails_and_declared_passes(name: str) -> None:
+    """A mutant taking a variant the adapter does not declare fails its clause: a deferred store completes a step
+    after the reference's (OFF-MGR-1, CONN-STEP-2); a request that a connector reset made forget its store in flight
+    is answered where the reference defers it (CONN-MATCH-4). Declared, the reference configured alike passes."""
+    variant, clause, config, calls = UNDECLARED_VARIANTS[name]
+    adapter = MUTANTS[name].adapter
+    undeclared = replay(Session(adapter), [Call("start", (config,)), *calls]).violation
+    assert undeclared is not None and undeclared.clause == clause, undeclared
+    declared = [Call("start", (config.model_copy(update={variant: True}),)), *calls]
+    assert replay(Session(declaring(adapter, variant)), declared).violation is None
+
+
+def declaring(adapter: type[ReferenceAdapter], variant: str) -> type[ReferenceAdapter]:
+    """Return the adapter declaring the variant it takes."""
 
     def capabilities(self: ReferenceAdapter) -> Capabilities:
-        return adapter.capabilities(self).model_copy(update={"defer_stores": (True,)})
+        return adapter.capabilities(self).model_copy(update={variant: (True,)})
 
     return type(f"Declared{adapter.__name__}", (adapter,), {"capabilities": capabilities})

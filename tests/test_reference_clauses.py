@@ -30,7 +30,7 @@ from kvconform.reference.connector import (
     SchedulerOutput,
     TransferJob,
 )
-from kvconform.reference.engine import Engine
+from kvconform.reference.engine import Engine, FollowedSchedule
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.hashing import NONE_HASH, block_hashes, extra_keys, hash_block
 from kvconform.reference.kv_cache import BlockPool, KVCacheManager
@@ -441,6 +441,21 @@ def test_match_deferred_while_request_has_transfers(conn):
     c.on_new_request(r)
     c.states["r"].transfer_jobs.add(7)
     assert c.get_num_new_matched_tokens(r, 0) == (None, False) and c.recorder.lookups == {}
+
+
+@pytest.mark.parametrize("clears", [False, True])
+def test_reset_clears_transfer_jobs_answers_at_once(engine, clears):
+    """CONN-MATCH-4's variant: after a connector reset, a preempted request whose store was in flight and that an
+    engine admits at once is deferred until the store's completion is reported; with `reset_clears_transfer_jobs` it
+    is answered at once (vLLM 0.28+)."""
+    e = engine(reset_clears_transfer_jobs=clears)
+    e.add_request(RequestSpec(request_id="r", prompt=PROMPT, max_tokens=4))
+    e.step()
+    e.preempt("r")
+    assert e.reset_prefix_cache(reset_connector=True)
+    result = e.step(followed=FollowedSchedule({"r": len(PROMPT)}, ("r",), frozenset({"r"}), frozenset()))
+    assert result.trace.answers == [("r", 0, 0 if clears else None, False)]
+    assert result.scheduled_tokens == ({"r": len(PROMPT)} if clears else {})
 
 
 def test_lookup_defers_while_block_storing(conn):

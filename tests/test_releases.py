@@ -277,14 +277,18 @@ def test_the_plugin_runs_one_test_per_release_into_one_report(tmp_path: Path) ->
 
 def test_a_matrix_cell_names_the_kit_commit_that_ran_it(tmp_path: Path) -> None:
     """A cell's `kit` is the commit of the kvconform tree that ran it, `+` after it while that tree has changes not
-    committed; none outside a git checkout."""
+    committed other than the matrix itself; none outside a git checkout."""
     git = ["git", "-C", str(tmp_path), "-c", "user.name=k", "-c", "user.email=k@k"]
     subprocess.run([*git, "init", "-q"], check=True)
     (tmp_path / "tracked.py").write_text("x = 1\n")
-    subprocess.run([*git, "add", "tracked.py"], check=True)
+    matrix = tmp_path / releases.MATRIX_FILE
+    matrix.parent.mkdir()
+    matrix.write_text("{}\n")
+    subprocess.run([*git, "add", "tracked.py", releases.MATRIX_FILE], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
     head = subprocess.run([*git, "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True).stdout.strip()
     (tmp_path / "untracked.py").write_text("")
+    matrix.write_text('{"cells": []}\n')  # the cells a matrix run writes leave its kit clean
     assert releases.kit_commit(tmp_path) == head
     (tmp_path / "tracked.py").write_text("x = 2\n")
     assert releases.kit_commit(tmp_path) == head + "+"

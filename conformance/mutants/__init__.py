@@ -377,6 +377,18 @@ class StoresDeferredUndeclaredWorker(OffloadConnectorWorker):
         super().__init__(transfer, defer_stores=True)
 
 
+class ResetClearsTransferJobsUndeclaredConnector(OffloadConnectorScheduler):
+    """vLLM 0.28+'s OffloadingConnectorScheduler.reset_cache: every request forgets the jobs a connector reset discards,
+    while the adapter declares no `reset_clears_transfer_jobs` (CONN-MATCH-4's variant): a request whose stores were
+    in flight is answered at once after the reset."""
+
+    def reset_cache(self):
+        super().reset_cache()
+        for state in self.states.values():
+            if not state.finished:
+                state.transfer_jobs.clear()
+
+
 class CorruptingStoreWorker(OffloadConnectorWorker):
     """A store changes one KV element of each block it writes (data integrity)."""
 
@@ -737,6 +749,8 @@ MUTANTS = {
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
     "stores-deferred-undeclared": row(StoresDeferredUndeclaredWorker, "offloading/worker.py prepare_store_kv",
                                       "OFF-MGR-1"),
+    "reset-clears-transfer-jobs-undeclared": row(ResetClearsTransferJobsUndeclaredConnector,
+                                                 "offloading/scheduler.py reset_cache (0.28+)", "CONN-MATCH-4"),
     "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-3", "XFER-DATA-1"),
     "corrupts-at-rest": row(CorruptsAtRestWorker, "data at rest", "XFER-DATA-3"),
     "store-reported-twice": row(CompletesStoresTwiceConnector, "offloading scheduler contract", "CONN-STEP-4"),
