@@ -200,7 +200,7 @@ class PDEngine(VllmConnectorAdapter):
         finally:
             for rank in self.ranks:
                 worker = getattr(rank.worker, "connector_worker", None)
-                if hasattr(worker, "nixl_wrapper"):
+                if worker is not None and hasattr(worker, "nixl_wrapper"):
                     worker.nixl_wrapper = None
             super().close()
 
