@@ -37,10 +37,13 @@ def hand_over(override: dict | None = None, size: int = 1) -> list[Call]:
                             *([override] if override else [])))]
 
 
-def test_a_prefill_read_by_the_consumer_is_conformant() -> None:
-    """PD-PARAMS-1, PD-LOAD-1, PD-DATA-1, PD-HOLD-1, PD-NOTIFY-1: the consumer's blocks hold the producer's KV byte
-    for byte after NIXL's read, and the producer frees its blocks on the notification."""
-    assert run(VllmPDAdapter, hand_over()) is None
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_prefill_read_by_the_consumer_is_conformant(size: int) -> None:
+    """PD-PARAMS-1, PD-LOAD-1, PD-DATA-1, PD-HOLD-1, PD-NOTIFY-1, PD-TP-1: the consumer's blocks hold the producer's KV
+    byte for byte after NIXL's read, each rank its heads, and the producer frees its blocks on the notification of
+    every rank. Before the finish hook `request_finished_all_groups` was recorded, PD-PARAMS-1 failed here: no delayed
+    free was seen."""
+    assert run(VllmPDAdapter, hand_over(size=size)) is None
 
 
 def test_a_malformed_forward_gets_a_per_clause_verdict_not_a_traceback() -> None:
