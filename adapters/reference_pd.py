@@ -182,7 +182,47 @@ class PairSide:
         return self.output
 
 
-class ReferencePDAdapter(KVConnectorAdapter):
+class EnginePair(KVConnectorAdapter):
+    """What an adapter of a producer/consumer pair does alike for any engines: a call on a request goes to the engine
+    that holds it, a reset to both, usage is their sum (the adapter contract's pair)."""
+
+    engines: dict[str, Any]
+    """"producer" and "consumer": engines with `requests`, `abort`, `preempt`, `reset_prefix_cache`, `computed_kv`."""
+
+    def engine_of(self, request_id: str) -> Any:
+        """Return the engine that holds a request."""
+        for engine in self.engines.values():
+            if request_id in engine.requests:
+                return engine
+        raise InvalidCall("CONF-OBS-2", f"unknown request id {request_id!r}")
+
+    def engine_usage(self, role: str) -> ResourceUsage:
+        """Return one engine's counters."""
+        return cast(ResourceUsage, self.engines[role].resource_usage())
+
+    def abort(self, request_id: str) -> None:
+        self.engine_of(request_id).abort(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        self.engine_of(request_id).preempt(request_id)
+
+    def reset_prefix_cache(self, reset_connector: bool) -> bool:
+        answers = [engine.reset_prefix_cache(reset_connector) for engine in self.engines.values()]
+        return all(answers)
+
+    def store_contents(self) -> StoreSnapshot:
+        return StoreSnapshot(ready=frozenset(), storing=frozenset())
+
+    def computed_kv(self, request_id: str) -> torch.Tensor:
+        return cast(torch.Tensor, self.engine_of(request_id).computed_kv(request_id))
+
+    def resource_usage(self) -> ResourceUsage:
+        usages = [self.engine_usage(role) for role in self.engines]
+        return ResourceUsage(**{name: sum(getattr(usage, name) for usage in usages)
+                                for name in ResourceUsage.model_fields})
+
+
+class ReferencePDAdapter(EnginePair):
     """Drives a producer and a consumer reference engine by their own scheduling policy (chapter `disaggregated`)."""
 
     name = "reference-pd"
@@ -224,12 +264,8 @@ class ReferencePDAdapter(KVConnectorAdapter):
             side.engine_blocks = engine.kv.blocks_of
             self.engines[role], self.sides[role], self.observers[role] = engine, side, Observer(engine)
 
-    def engine_of(self, request_id: str) -> Engine:
-        """Return the engine that holds a request."""
-        for engine in self.engines.values():
-            if request_id in engine.requests:
-                return engine
-        raise InvalidCall("CONF-OBS-2", f"unknown request id {request_id!r}")
+    def engine_usage(self, role: str) -> ResourceUsage:
+        return self.observers[role].resource_usage()
 
     def _add(self, role: str, request: RequestSpec, params: dict[str, Any] | None) -> None:
         if any(request.request_id in engine.requests for engine in self.engines.values()):
@@ -276,29 +312,8 @@ class ReferencePDAdapter(KVConnectorAdapter):
             held={request_id: tuple(engine.kv.blocks_of(request_id)) for request_id in sorted(engine.delayed_free)},
             forward_writes=frozenset(result.forward_writes))
 
-    def abort(self, request_id: str) -> None:
-        self.engine_of(request_id).abort(request_id)
-
-    def preempt(self, request_id: str) -> None:
-        self.engine_of(request_id).preempt(request_id)
-
-    def reset_prefix_cache(self, reset_connector: bool) -> bool:
-        answers = [engine.reset_prefix_cache(reset_connector) for engine in self.engines.values()]
-        return all(answers)
-
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         self.engines["consumer"].complete_transfers(fail_loads, fail_stores)
-
-    def store_contents(self) -> StoreSnapshot:
-        return StoreSnapshot(ready=frozenset(), storing=frozenset())
-
-    def computed_kv(self, request_id: str) -> torch.Tensor:
-        return self.engine_of(request_id).computed_kv(request_id)
-
-    def resource_usage(self) -> ResourceUsage:
-        usages = [observer.resource_usage() for observer in self.observers.values()]
-        return ResourceUsage(**{name: sum(getattr(usage, name) for usage in usages)
-                                for name in ResourceUsage.model_fields})
 
 
 def merge(observations: list[StepObservation], pair: DisaggregatedStep) -> StepObservation:

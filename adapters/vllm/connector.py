@@ -58,9 +58,11 @@ class VllmConnectorAdapter(VllmAdapter):
     """A real vLLM scheduler with the connector named in the environment, judged as a black box."""
 
     name = "vllm-connector"
+    default_connector = ""
+    """The connector run when none is named (none: vllm-connector needs one)."""
 
     def __init__(self) -> None:
-        self.connector_spec = os.environ.get(CONNECTOR, "")
+        self.connector_spec = os.environ.get(CONNECTOR) or self.default_connector
         if not self.connector_spec:
             raise AdapterNotFound(f"vllm-connector needs a connector: --connector NAME|module:Class (or {CONNECTOR})")
         self.connector_config = _json_object(CONNECTOR_CONFIG, os.environ.get(CONNECTOR_CONFIG, "{}"))

@@ -32,6 +32,7 @@ from kvconform.common import kv_content
 from kvconform.common.values import (
     EngineConfig,
     MatchAnswer,
+    RankReport,
     RequestSpec,
     ResourceUsage,
     StepObservation,
@@ -39,6 +40,10 @@ from kvconform.common.values import (
 )
 
 KV_LAYER = "model.layers.0.self_attn.attn"
+
+FINISH_HOOKS = ("request_finished", "request_finished_all_groups")
+"""The connector's finish hooks, one of which the scheduler calls per finished request: `request_finished_all_groups`
+for a `SupportsHMA` connector from 0.34 on (`v1/core/sched/scheduler.py`:3523-3535), else `request_finished`."""
 """The one attention layer of the KV layout the adapters register with vLLM."""
 
 
@@ -59,6 +64,10 @@ class StepTrace:
     loads_failed: list[str] = field(default_factory=list)
     free_delayed: list[str] = field(default_factory=list)
     saves_finished: list[str] = field(default_factory=list)
+    finish_params: dict[str, Any] = field(default_factory=dict)
+    """Requests that finished in the step -> the kv_transfer_params the connector's finish hook returned."""
+    rank_reports: list[RankReport] = field(default_factory=list)
+    """Each rank's connector output for the batch processed in the step, before the ranks were aggregated."""
 
 
 @dataclass
@@ -79,6 +88,8 @@ class Batch:
     scheduler_output: Any
     runner_output: Any
     sampled: dict[str, int]
+    rank_reports: list[RankReport] = field(default_factory=list)
+    """What each rank's worker reported for the batch, before aggregation."""
 
 
 class FinishOrder(dict):
@@ -419,7 +430,9 @@ class VllmAdapter(KVConnectorAdapter):
         self.aggregator = self.output_aggregator() if ranks > 1 else None
         self.scheduler.finished_req_ids = FinishOrder()
         wrap(self.scheduler.connector, "get_num_new_matched_tokens", self._record_match)
-        wrap(self.scheduler.connector, "request_finished", self._record_finish_answer)
+        for hook in FINISH_HOOKS:  # the one the release's scheduler calls for this connector
+            if hasattr(self.scheduler.connector, hook):
+                wrap(self.scheduler.connector, hook, self._record_finish_answer)
         wrap(self.scheduler, "_update_waiting_for_remote_kv", self._record_promotion)
         wrap(self.scheduler.kv_cache_manager, "free", self._record_free)
         if hasattr(self.scheduler.kv_cache_manager, "pop_blocks_for_free"):  # 0.24+: frees deferred in async mode
@@ -458,11 +471,14 @@ class VllmAdapter(KVConnectorAdapter):
         return iface.KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=[tensor],
                                    kv_cache_groups=[iface.KVCacheGroupSpec([KV_LAYER], spec)])
 
-    def add_request(self, request: RequestSpec) -> None:
+    def add_request(self, request: RequestSpec, kv_transfer_params: dict[str, Any] | None = None) -> None:
+        """Queue `request`; with `kv_transfer_params`, carrying them as a P/D proxy sends them (`Request.__init__`
+        reads them from the sampling params' extra args)."""
         self.specs[request.request_id] = request
         sampling = self.rt.sampling.SamplingParams(
             max_tokens=request.max_tokens, ignore_eos=True,
-            skip_reading_prefix_cache=True if request.skip_reading_prefix_cache else None)
+            skip_reading_prefix_cache=True if request.skip_reading_prefix_cache else None,
+            extra_args=None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params})
         lora = None
         if request.lora_name is not None:
             lora_id = self.lora_ids.setdefault(request.lora_name, len(self.lora_ids) + 1)
@@ -531,8 +547,10 @@ class VllmAdapter(KVConnectorAdapter):
         self.transfers.begin_step()
         self.observe_metadata(scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return Batch(scheduler_output, self._aggregate([self._on_rank(rank, lambda r, given: r.runner.no_forward(
-                given), scheduler_output) for rank in self.ranks]), {})
+            outputs = [self._on_rank(rank, lambda r, given: r.runner.no_forward(given), scheduler_output)
+                       for rank in self.ranks]
+            reports = [self._rank_report(getattr(output, "kv_connector_output", None)) for output in outputs]
+            return Batch(scheduler_output, self._aggregate(outputs), {}, reports)
         runner_tokens = self._runner_tokens(scheduler_output)
         sampled: dict[str, int] = {}
 
@@ -548,7 +566,8 @@ class VllmAdapter(KVConnectorAdapter):
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
             kv_connector_output=connector_output) for connector_output in connector_outputs]
-        return Batch(scheduler_output, self._aggregate(runner_outputs), sampled)
+        reports = [self._rank_report(output) for output in connector_outputs]
+        return Batch(scheduler_output, self._aggregate(runner_outputs), sampled, reports)
 
     def _on_rank(self, rank: Rank, call: Callable[[Rank, Any], Any], scheduler_output: Any) -> Any:
         """Return `call(rank, scheduler_output)` run as rank's worker: its connector is vLLM's KV transfer group
@@ -608,6 +627,7 @@ class VllmAdapter(KVConnectorAdapter):
         """`Scheduler.update_from_output`; finished requests are read from the engine-core outputs, the connector's
         reports (chapter `connector-level`) from the runner output it processes."""
         self._record_connector_output(getattr(batch.runner_output, "kv_connector_output", None))
+        self.trace.rank_reports = batch.rank_reports
         outputs = self.scheduler.update_from_output(batch.scheduler_output, batch.runner_output)
         for engine_outputs in outputs.values():
             self.trace.finished += [o.request_id for o in engine_outputs.outputs if o.finish_reason is not None]
@@ -642,6 +662,7 @@ class VllmAdapter(KVConnectorAdapter):
         return condition is not None and bool(eval(condition, {}, {"request": request, "self": self.scheduler}))
 
     def _record_finish_answer(self, result: tuple[bool, Any], request: Any, *args: Any) -> None:
+        self.trace.finish_params[request.request_id] = result[1]
         if result[0]:
             self.trace.free_delayed.append(request.request_id)
 
@@ -654,10 +675,23 @@ class VllmAdapter(KVConnectorAdapter):
         self._check_loads_in_flight(sorted(getattr(output, "finished_recving", None) or ()))
         self.trace.loads_finished += sorted(getattr(output, "finished_recving", None) or ())
         self.trace.saves_finished += sorted(getattr(output, "finished_sending", None) or ())
+        self.trace.loads_failed += sorted(self._failed_loads(output))
+
+    def _failed_loads(self, output: Any) -> set[str]:
+        """Return the requests whose load a connector output reports failed: per request (`failed_recving`) or per
+        block (`invalid_block_ids`, by the unfinished requests that hold them)."""
         failed_blocks = set(getattr(output, "invalid_block_ids", None) or ())
-        self.trace.loads_failed += sorted(set(getattr(output, "failed_recving", None) or ()) | {
+        return set(getattr(output, "failed_recving", None) or ()) | {
             request_id for request_id, request in self.scheduler.requests.items()
-            if not request.is_finished() and failed_blocks & set(self.block_ids(request_id))})
+            if not request.is_finished() and failed_blocks & set(self.block_ids(request_id))}
+
+    def _rank_report(self, output: Any) -> RankReport:
+        """Return what one rank's connector output reports, before the ranks are aggregated (PD-TP-1)."""
+        if output is None:
+            return RankReport()
+        return RankReport(finished_sending=tuple(sorted(getattr(output, "finished_sending", None) or ())),
+                          finished_recving=tuple(sorted(getattr(output, "finished_recving", None) or ())),
+                          failed_recving=tuple(sorted(self._failed_loads(output))))
 
     def _check_loads_in_flight(self, finished_recving: list[str]) -> None:
         """Refuse a finished load of a request vLLM is not waiting for (KVC-ASYNC-1) before vLLM's scheduler sees it:
