@@ -380,7 +380,8 @@ class StoresDeferredUndeclaredWorker(OffloadConnectorWorker):
 class ResetClearsTransferJobsUndeclaredConnector(OffloadConnectorScheduler):
     """vLLM 0.28+'s OffloadingConnectorScheduler.reset_cache: every request forgets the jobs a connector reset discards,
     while the adapter declares no `reset_clears_transfer_jobs` (CONN-MATCH-4's variant): a request whose stores were
-    in flight is answered at once after the reset."""
+    in flight is answered at once after the reset; admitted where the reference still defers it, it can show first
+    as an admission the reference's free blocks do not hold (SCHED-ADMIT-1)."""
 
     def reset_cache(self):
         super().reset_cache()
@@ -750,7 +751,8 @@ MUTANTS = {
     "stores-deferred-undeclared": row(StoresDeferredUndeclaredWorker, "offloading/worker.py prepare_store_kv",
                                       "OFF-MGR-1"),
     "reset-clears-transfer-jobs-undeclared": row(ResetClearsTransferJobsUndeclaredConnector,
-                                                 "offloading/scheduler.py reset_cache (0.28+)", "CONN-MATCH-4"),
+                                                 "offloading/scheduler.py reset_cache (0.28+)", "CONN-MATCH-4",
+                                                 "SCHED-ADMIT-1"),
     "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-3", "XFER-DATA-1"),
     "corrupts-at-rest": row(CorruptsAtRestWorker, "data at rest", "XFER-DATA-3"),
     "store-reported-twice": row(CompletesStoresTwiceConnector, "offloading scheduler contract", "CONN-STEP-4"),
