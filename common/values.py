@@ -47,7 +47,7 @@ class EngineConfig(_Frozen):
     arc_t1_fallback: bool = Field(False, description="with the arc policy, take a T1 victim where T1 is under its "
                                                      "target and T2 has none, rather than refuse the store "
                                                      "(OFF-ARC-4)")
-    reset_clears_transfer_jobs: bool = Field(False, description="a connector reset forgets the transfer jobs it "
+    reset_clears_transfer_jobs: bool = Field(False, description="a connector reset forgets the store jobs it "
                                                                 "discards: an unfinished request is answered at once "
                                                                 "rather than once they are reported (CONN-MATCH-4)")
     defer_stores: bool = Field(False, description="the worker queues a step's stores and submits them at the start of "
@@ -293,7 +293,7 @@ class Capabilities(_Frozen):
                                                                       "is under its target and T2 has none "
                                                                       "(OFF-ARC-4)")
     reset_clears_transfer_jobs: tuple[bool, ...] = Field((False,), description="whether a connector reset forgets "
-                                                                                 "the transfer jobs it discards "
+                                                                                 "the store jobs it discards "
                                                                                  "(CONN-MATCH-4)")
     defer_stores: tuple[bool, ...] = Field((False,), description="whether the worker submits a step's stores at the "
                                                                    "start of the next step (CONN-STEP-2)")

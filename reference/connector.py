@@ -436,7 +436,8 @@ class OffloadConnectorScheduler:
 
     def reset_cache(self) -> None:
         """Empty the store; in-flight jobs are flushed and their completions ignored (OFF-MGR-8); with
-        `reset_clears_transfer_jobs` an unfinished request no longer waits for its discarded jobs (CONN-MATCH-4)."""
+        `reset_clears_transfer_jobs` an unfinished request no longer waits for its discarded stores (CONN-MATCH-4); a
+        discarded load still holds an aborted request's blocks until it ends (LIFE-ABORT-1)."""
         self.pending_flushes |= self.jobs.keys()
         self.manager.reset()
         self.store_differs_since = None
@@ -449,7 +450,8 @@ class OffloadConnectorScheduler:
                 if not state.transfer_jobs:
                     del self.states[request_id]
             elif self.config.reset_clears_transfer_jobs:
-                state.transfer_jobs.clear()
+                state.transfer_jobs.difference_update([job_id for job_id in state.transfer_jobs
+                                                       if self.jobs[job_id].is_store])
 
 
 class OffloadConnectorWorker:

@@ -458,6 +458,18 @@ def test_reset_clears_transfer_jobs_answers_at_once(engine, clears):
     assert result.scheduled_tokens == ({"r": len(PROMPT)} if clears else {})
 
 
+
+@pytest.mark.parametrize("clears", [False, True])
+def test_reset_keeps_an_aborted_load_holding_its_blocks(engine, clears):
+    """CONN-MATCH-4's variant forgets discarded stores only: a request aborted during a load the reset discarded keeps
+    its blocks until the load ends (LIFE-ABORT-1), so a prefix-cache reset fails until then, as on vLLM 0.30/0.32."""
+    e = admit_with_load(engine(reset_clears_transfer_jobs=clears))
+    assert not e.reset_prefix_cache(reset_connector=True)
+    e.abort("r1")
+    assert e.delayed_free == {"r1"} and not e.reset_prefix_cache()
+    drain(e)
+    assert e.reset_prefix_cache()
+
 def test_lookup_defers_while_block_storing(conn):
     """OFF-LOOKUP-3: a looked-up block still being stored defers the answer (None)."""
     c = conn()
