@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,9 +30,6 @@ from kvconform.common.values import (
 )
 from kvconform.conformance.checks import ClauseViolation, check
 from kvconform.conformance.connector_level import ConnectorJudge
-
-if TYPE_CHECKING:
-    pass
 
 LEASE_SLACK_STEPS = 2
 """Steps past a lease that a hold may take to end: its release is reported by the step that processes it, one step
