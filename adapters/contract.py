@@ -28,7 +28,9 @@ class ImplementationFailure(Exception):
 
     The harness reports it under `clause` instead of CONF-CALL-1. With `recovered`, the implementation is
     still usable — as vLLM's engine core stays up after a failed utility call — and the operation's outcome
-    is `result`; a run that lists `clause` as a known failure then goes on (CONF-RUN-2).
+    is `result`; a run that lists `clause` as a known failure then goes on (CONF-RUN-2). A recovered failure of
+    `reset_prefix_cache(True)` is one of the connector reset: the prefix cache reset took effect (`result` is its
+    answer), the connector's did not, and the reference keeps its connector as well (OFF-MGR-8).
     """
 
     def __init__(self, clause: str, message: str, *, recovered: bool = False, result: object = None) -> None:

@@ -213,20 +213,24 @@ class Execution:
     # --- the adapter ---------------------------------------------------------------------------
 
     def call(self, operation: str, *args: Any) -> Any:
-        """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`).
+        """Return the adapter's validated answer; a raise, a hang or a bad value fails its clause (`calls.py`)."""
+        return self.outcome(operation, *args)[0]
+
+    def outcome(self, operation: str, *args: Any) -> tuple[Any, bool]:
+        """Return the adapter's validated answer to a call and whether the implementation failed it.
 
         An implementation failure of a known-failure clause yields the outcome the adapter reports when the
         implementation recovered; otherwise the example ends there (CONF-RUN-2).
         """
         try:
-            return self.caller(operation, *args)
+            return self.caller(operation, *args), False
         except ClauseViolation as violation:
             failure = violation.__cause__
             if not isinstance(failure, ImplementationFailure) or not self.session.baseline.tolerates(violation):
                 raise
             if not failure.recovered:
                 raise Diverged from violation
-            return failure.result
+            return failure.result, True
 
     def begin(self) -> Capabilities:
         """Build the adapter and return what it claims to support (CONF-CAP-1)."""
@@ -364,9 +368,11 @@ class Execution:
         self.call("preempt", request_id)
 
     def _reset_prefix_cache(self, reset_connector: bool) -> None:
-        answer = self.call("reset_prefix_cache", reset_connector)
+        """Reset as the adapter did: a connector reset the implementation failed and recovered from left the connector
+        as it was, so the judges reset the prefix cache alone (OFF-MGR-8, CONF-RUN-2)."""
+        answer, failed = self.outcome("reset_prefix_cache", reset_connector)
         for judge in self.judges:
-            judge.reset_answered(reset_connector, answer)
+            judge.reset_answered(reset_connector and not failed, answer)
 
     def _drain(self) -> None:
         """Step until the engine is idle, then check for leaks and liveness.

@@ -183,11 +183,12 @@ hangs_in_step = FAULTS["step-hangs"][0]
 
 
 def failing_reset(recovered: bool) -> type[ReferenceAdapter]:
-    """Return a reference adapter whose connector resets report that the implementation failed OFF-MGR-8; the
-    class counts the steps its instances are asked for after such a failure."""
+    """Return a reference adapter whose connector resets report that the implementation failed OFF-MGR-8 after
+    resetting the prefix cache alone, as vLLM 0.30's does; the class counts the steps its instances are asked for
+    after such a failure."""
 
     def reset_prefix_cache(self: ReferenceAdapter, reset_connector: bool) -> bool:
-        result = ReferenceAdapter.reset_prefix_cache(self, reset_connector)
+        result = ReferenceAdapter.reset_prefix_cache(self, False)
         if reset_connector:
             self.failed = True
             raise ImplementationFailure("OFF-MGR-8", "the connector reset failed", recovered=recovered, result=result)

@@ -497,7 +497,8 @@ class VllmAdapter(KVConnectorAdapter):
 
     def reset_prefix_cache(self, reset_connector: bool) -> bool:
         """`Scheduler.reset_prefix_cache`; an error is what vLLM's engine core returns for a failed utility call:
-        the engine stays up, and only the GPU prefix cache reset before the error took effect."""
+        the engine stays up, and only the GPU prefix cache reset before the error took effect (0.28/0.30's connector
+        reset asserts before it changes anything: 0.30.0 offloading/scheduler.py:1959-1961)."""
         try:
             if reset_connector:
                 return self.scheduler.reset_prefix_cache(reset_connector=True)
