@@ -47,9 +47,9 @@ class EngineConfig(_Frozen):
     arc_t1_fallback: bool = Field(False, description="with the arc policy, take a T1 victim where T1 is under its "
                                                      "target and T2 has none, rather than refuse the store "
                                                      "(OFF-ARC-4)")
-    reset_clears_transfer_jobs: bool = Field(False, description="a connector reset forgets the store jobs it "
-                                                                "discards: an unfinished request is answered at once "
-                                                                "rather than once they are reported (CONN-MATCH-4)")
+    reset_forgets_stores: bool = Field(False, description="a connector reset forgets the store jobs it discards: an "
+                                                          "unfinished request is answered at once rather than once "
+                                                          "they are reported (CONN-MATCH-4)")
     defer_stores: bool = Field(False, description="the worker queues a step's stores and submits them at the start of "
                                                   "the next step, rather than after the step's forward (CONN-STEP-2)")
     tensor_parallel_size: int = Field(1, ge=1, exclude_if=lambda value: value == 1,
@@ -258,7 +258,7 @@ is not one engine."""
 
 VARIANTS = ("offer_at_finish", "flush_on_hit", "flush_all_on_preemption", "lookup_after_failed_load",
             "local_hit_after_failed_load", "restart_offers_on_lookup", "arc_t1_fallback", "defer_stores",
-            "reset_clears_transfer_jobs")
+            "reset_forgets_stores")
 """EngineConfig fields that name a behaviour of the connector and the store that releases of one implementation
 differ in: the capability of the same name lists the values an implementation has, and the reference follows the
 value the config carries. A choice of the scheduler is no variant: the judge follows the schedule it observes."""
@@ -292,9 +292,8 @@ class Capabilities(_Frozen):
     arc_t1_fallback: tuple[bool, ...] = Field((False,), description="whether the arc policy takes a T1 victim where T1 "
                                                                       "is under its target and T2 has none "
                                                                       "(OFF-ARC-4)")
-    reset_clears_transfer_jobs: tuple[bool, ...] = Field((False,), description="whether a connector reset forgets "
-                                                                                 "the store jobs it discards "
-                                                                                 "(CONN-MATCH-4)")
+    reset_forgets_stores: tuple[bool, ...] = Field((False,), description="whether a connector reset forgets the "
+                                                                           "store jobs it discards (CONN-MATCH-4)")
     defer_stores: tuple[bool, ...] = Field((False,), description="whether the worker submits a step's stores at the "
                                                                    "start of the next step (CONN-STEP-2)")
     harness_completes_transfers: bool = Field(True, description="transfers finish when the harness completes "

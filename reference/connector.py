@@ -391,7 +391,7 @@ class OffloadConnectorScheduler:
             if not job.is_store:
                 update.loads_done[job.request_id] = success
             state = self.states.get(job.request_id)
-            if state is None:  # forgotten at a reset with `reset_clears_transfer_jobs`, then finished (CONN-MATCH-4)
+            if state is None:  # forgotten at a reset with `reset_forgets_stores`, then finished (CONN-MATCH-4)
                 continue
             state.transfer_jobs.discard(job_id)
             if state.finished and not state.transfer_jobs:
@@ -436,7 +436,7 @@ class OffloadConnectorScheduler:
 
     def reset_cache(self) -> None:
         """Empty the store; in-flight jobs are flushed and their completions ignored (OFF-MGR-8); with
-        `reset_clears_transfer_jobs` an unfinished request no longer waits for its discarded stores (CONN-MATCH-4); a
+        `reset_forgets_stores` an unfinished request no longer waits for its discarded stores (CONN-MATCH-4); a
         discarded load still holds an aborted request's blocks until it ends (LIFE-ABORT-1)."""
         self.pending_flushes |= self.jobs.keys()
         self.manager.reset()
@@ -449,7 +449,7 @@ class OffloadConnectorScheduler:
                 state.finish_offer_due = False
                 if not state.transfer_jobs:
                     del self.states[request_id]
-            elif self.config.reset_clears_transfer_jobs:
+            elif self.config.reset_forgets_stores:
                 state.transfer_jobs.difference_update([job_id for job_id in state.transfer_jobs
                                                        if self.jobs[job_id].is_store])
 

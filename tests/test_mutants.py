@@ -65,8 +65,8 @@ def test_data_at_rest_and_job_mutants_killed_in_each_scheduling_mode(name: str, 
 UNDECLARED_VARIANTS = {  # mutant -> (its variant, the clause it fails undeclared, the program, its config)
     "stores-deferred-undeclared": ("defer_stores", "OFF-MGR-1", EngineConfig(block_size_factor=1), [
         Call("add_request", (RequestSpec(request_id="r", prompt=(2, 2, 2, 0)),)), Call("step", (TransferOutcome(),))]),
-    "reset-clears-transfer-jobs-undeclared": (
-        "reset_clears_transfer_jobs", "CONN-MATCH-4", EngineConfig(block_size_factor=1, async_scheduling=True), [
+    "reset-forgets-stores-undeclared": (
+        "reset_forgets_stores", "CONN-MATCH-4", EngineConfig(block_size_factor=1, async_scheduling=True), [
             Call("add_request", (RequestSpec(request_id="r", prompt=tuple(range(12)), max_tokens=4),)), Call("step"),
             Call("preempt", ("r",)), Call("reset_prefix_cache", (True,)), Call("step"), Call("step"), Call("step"),
             Call("drain")]),

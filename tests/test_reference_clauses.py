@@ -443,27 +443,27 @@ def test_match_deferred_while_request_has_transfers(conn):
     assert c.get_num_new_matched_tokens(r, 0) == (None, False) and c.recorder.lookups == {}
 
 
-@pytest.mark.parametrize("clears", [False, True])
-def test_reset_clears_transfer_jobs_answers_at_once(engine, clears):
+@pytest.mark.parametrize("forgets", [False, True])
+def test_reset_forgets_stores_answers_at_once(engine, forgets):
     """CONN-MATCH-4's variant: after a connector reset, a preempted request whose store was in flight and that an
-    engine admits at once is deferred until the store's completion is reported; with `reset_clears_transfer_jobs` it
+    engine admits at once is deferred until the store's completion is reported; with `reset_forgets_stores` it
     is answered at once (vLLM 0.28+)."""
-    e = engine(reset_clears_transfer_jobs=clears)
+    e = engine(reset_forgets_stores=forgets)
     e.add_request(RequestSpec(request_id="r", prompt=PROMPT, max_tokens=4))
     e.step()
     e.preempt("r")
     assert e.reset_prefix_cache(reset_connector=True)
     result = e.step(followed=FollowedSchedule({"r": len(PROMPT)}, ("r",), frozenset({"r"}), frozenset()))
-    assert result.trace.answers == [("r", 0, 0 if clears else None, False)]
-    assert result.scheduled_tokens == ({"r": len(PROMPT)} if clears else {})
+    assert result.trace.answers == [("r", 0, 0 if forgets else None, False)]
+    assert result.scheduled_tokens == ({"r": len(PROMPT)} if forgets else {})
 
 
 
-@pytest.mark.parametrize("clears", [False, True])
-def test_reset_keeps_an_aborted_load_holding_its_blocks(engine, clears):
+@pytest.mark.parametrize("forgets", [False, True])
+def test_reset_keeps_an_aborted_load_holding_its_blocks(engine, forgets):
     """CONN-MATCH-4's variant forgets discarded stores only: a request aborted during a load the reset discarded keeps
     its blocks until the load ends (LIFE-ABORT-1), so a prefix-cache reset fails until then, as on vLLM 0.30/0.32."""
-    e = admit_with_load(engine(reset_clears_transfer_jobs=clears))
+    e = admit_with_load(engine(reset_forgets_stores=forgets))
     assert not e.reset_prefix_cache(reset_connector=True)
     e.abort("r1")
     assert e.delayed_free == {"r1"} and not e.reset_prefix_cache()

@@ -255,7 +255,7 @@ def test_recorded_deviation_fails_on_its_release(connector_environment: None, na
 OFFERED_AT_FINISH = [  # `kvconform run --adapter vllm-offloading --profile smoke` on 0.28.0, shrunk
     {"op": "start", "args": {"block_size": 4, "num_gpu_blocks": 64, "block_size_factor": 1, "num_offload_blocks": 12,
                              "max_num_batched_tokens": 256, "offer_at_finish": True, "flush_on_hit": True,
-                             "defer_stores": True, "reset_clears_transfer_jobs": True}},
+                             "defer_stores": True, "reset_forgets_stores": True}},
     {"op": "add_request", "args": {"request_id": "r0", "prompt": [2, 2, 2, 2], "max_tokens": 4}},
     {"op": "drain"},
 ]

@@ -44,7 +44,7 @@ class VllmOffloadingAdapter(VllmAdapter):
                             local_hit_after_failed_load=(not self.reports_failed_loads_by_request(),),
                             restart_offers_on_lookup=(self.restarts_offers_on_lookup(),),
                             arc_t1_fallback=(arc_falls_back_to_t1(),), defer_stores=(self.defers_stores(),),
-                            reset_clears_transfer_jobs=(self.reset_clears_transfer_jobs(),),
+                            reset_forgets_stores=(self.reset_forgets_stores(),),
                             reads_stored_kv=True, **self.base_capabilities())
 
     def connector_behaviours(self) -> tuple[str, ...]:
@@ -64,8 +64,8 @@ class VllmOffloadingAdapter(VllmAdapter):
                 arc_falls_back_to_t1(),
             "defers-stores: OffloadingConnectorWorker.prepare_store_kv queues a step's stores for the next step "
             "(CONN-STEP-2)": self.defers_stores(),
-            "reset-clears-transfer-jobs: OffloadingConnectorScheduler.reset_cache clears each request's transfer_jobs "
-            "(CONN-MATCH-4)": self.reset_clears_transfer_jobs(),
+            "reset-forgets-stores: OffloadingConnectorScheduler.reset_cache clears each request's transfer_jobs "
+            "(CONN-MATCH-4)": self.reset_forgets_stores(),
         }
         return tuple(name for name, present in found.items() if present)
 
@@ -119,7 +119,7 @@ class VllmOffloadingAdapter(VllmAdapter):
         prepare = getattr(OffloadingConnectorWorker, "prepare_store_kv", None)
         return prepare is not None and "_unsubmitted_store_jobs" in inspect.getsource(prepare)
 
-    def reset_clears_transfer_jobs(self) -> bool:
+    def reset_forgets_stores(self) -> bool:
         """Return whether a connector reset makes the requests forget the jobs it discards (CONN-MATCH-4's variant):
         0.28+ `reset_cache` clears each tracked request's `transfer_jobs` (0.28.0 offloading/scheduler.py:1680), 0.33+
         in the `_reset_cache` it calls; 0.24 keeps them, waiting for completions it ignores (OFF-MGR-8,

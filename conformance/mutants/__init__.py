@@ -377,9 +377,9 @@ class StoresDeferredUndeclaredWorker(OffloadConnectorWorker):
         super().__init__(transfer, defer_stores=True)
 
 
-class ResetClearsTransferJobsUndeclaredConnector(OffloadConnectorScheduler):
+class ResetForgetsStoresUndeclaredConnector(OffloadConnectorScheduler):
     """vLLM 0.28+'s OffloadingConnectorScheduler.reset_cache: every request forgets the jobs a connector reset discards,
-    while the adapter declares no `reset_clears_transfer_jobs` (CONN-MATCH-4's variant): a request whose stores were
+    while the adapter declares no `reset_forgets_stores` (CONN-MATCH-4's variant): a request whose stores were
     in flight is answered at once after the reset; admitted where the reference still defers it, it can show first
     as an admission the reference's free blocks do not hold (SCHED-ADMIT-1)."""
 
@@ -750,9 +750,9 @@ MUTANTS = {
     "lookup-past-miss": row(LookupPastMissConnector, "offloading scheduler contract", "OFF-LOOKUP-2"),
     "stores-deferred-undeclared": row(StoresDeferredUndeclaredWorker, "offloading/worker.py prepare_store_kv",
                                       "OFF-MGR-1"),
-    "reset-clears-transfer-jobs-undeclared": row(ResetClearsTransferJobsUndeclaredConnector,
-                                                 "offloading/scheduler.py reset_cache (0.28+)", "CONN-MATCH-4",
-                                                 "SCHED-ADMIT-1"),
+    "reset-forgets-stores-undeclared": row(ResetForgetsStoresUndeclaredConnector,
+                                           "offloading/scheduler.py reset_cache (0.28+)", "CONN-MATCH-4",
+                                           "SCHED-ADMIT-1"),
     "corrupting-store": row(CorruptingStoreWorker, "data integrity", "XFER-DATA-3", "XFER-DATA-1"),
     "corrupts-at-rest": row(CorruptsAtRestWorker, "data at rest", "XFER-DATA-3"),
     "store-reported-twice": row(CompletesStoresTwiceConnector, "offloading scheduler contract", "CONN-STEP-4"),
