@@ -279,7 +279,8 @@ class ReferencePDAdapter(EnginePair):
     def prefill(self, request: RequestSpec) -> None:
         self._add("producer", request, {"do_remote_decode": True})
 
-    def decode(self, request: RequestSpec, kv_transfer_params: dict[str, Any]) -> None:
+    def decode(self, request: RequestSpec, kv_transfer_params: dict[str, Any], prefill_id: str) -> None:
+        """The reference's consumer reads what the params name: its pair needs no shared id."""
         self._add("consumer", request, dict(kv_transfer_params))
 
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:

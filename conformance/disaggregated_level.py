@@ -117,8 +117,9 @@ class PairTrace:
     completed: set[str] = field(default_factory=set)
     """Consumer requests whose read the harness completed, or failed, and which are not reported yet."""
     holds: dict[str, Hold] = field(default_factory=dict)
-    released_unread: dict[str, int] = field(default_factory=dict)
-    """Holds ended before any consumer rank reported their read or their lease ended -> the step (PD-HOLD-1)."""
+    released_unread: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Holds ended before any consumer rank reported their read or their lease ended -> the step and time (PD-HOLD-1):
+    a producer that writes into the consumer's blocks (push) ends its hold before the consumer reports the receive."""
     released: set[str] = field(default_factory=set)
     """Producer requests whose hold has ended."""
     reads: dict[str, int] = field(default_factory=dict)
@@ -247,7 +248,7 @@ class DisaggregatedJudge(ConnectorJudge):
             pair.released.add(request_id)
             hold = pair.holds.pop(request_id, None)
             if hold is not None and hold.read_at is None and not self.lease_over(hold):
-                pair.released_unread[request_id] = step
+                pair.released_unread[request_id] = (step, now)
         for request_id in set(consumer.finished_recving) - set(consumer.failed_recving):
             params = pair.decodes.get(request_id)
             if params is not None and valid_params(params):
@@ -446,8 +447,9 @@ def check_failed_receives(judge: DisaggregatedJudge, observation: StepObservatio
 def check_holds(judge: DisaggregatedJudge, observation: StepObservation, producer: EngineStep,
                 consumer: EngineStep) -> None:
     """The producer neither writes nor gives up a held request's blocks, and ends a hold only after a consumer read it
-    or its lease ended: at the latest one step after the consumer reported the read, as the reports cross the
-    pair."""
+    or its lease ended: at the latest one step before the consumer reported the read, as the reports cross the pair;
+    on the connector's clock, NOTIFY_SECONDS before (a producer that writes the KV itself reports its write done while
+    the consumer's report of it is on its way)."""
     pair = judge.pair
     for request_id, hold in pair.holds.items():
         judge.exercise("PD-HOLD-1")
@@ -466,10 +468,11 @@ def check_holds(judge: DisaggregatedJudge, observation: StepObservation, produce
     read_now = {params.get("remote_request_id") for decode, params in pair.decodes.items()
                 if any(decode in report.finished_recving and decode not in report.failed_recving
                        for report in consumer.ranks)}
-    for request_id, step in list(pair.released_unread.items()):
+    notify_seconds = NOTIFY_SECONDS if judge.execution.capabilities.lease_seconds is not None else None
+    for request_id, (step, ended) in list(pair.released_unread.items()):
         if request_id in pair.reads or request_id in read_now:
             del pair.released_unread[request_id]
-        elif judge.trace.steps + 1 - step > 1:
+        elif judge.elapsed(step, ended, 1, notify_seconds):
             raise _fault("PD-HOLD-1", f"the producer ended the hold of {request_id!r} in step {step}, neither read by "
                                       "a consumer nor at the end of its lease")
 

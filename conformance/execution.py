@@ -336,7 +336,7 @@ class Execution:
         self.requests[spec.request_id] = spec
         for judge in self.judges:
             judge.decode(spec, params)
-        self.call("decode", spec, params)
+        self.call("decode", spec, params, prefill_id)
 
     def _step(self, complete_transfers: TransferOutcome | None = None) -> None:
         self.step_called = time.monotonic()

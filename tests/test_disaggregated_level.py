@@ -9,7 +9,14 @@ import pytest
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.reference_pd import ReferencePDAdapter
-from kvconform.common.values import Capabilities, EngineConfig, RequestSpec, StepObservation, TransferOutcome
+from kvconform.common.values import (
+    Capabilities,
+    EngineConfig,
+    EngineStep,
+    RequestSpec,
+    StepObservation,
+    TransferOutcome,
+)
 from kvconform.conformance import disaggregated_level, options, runner, scenarios
 from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Execution, Session, judged_levels
@@ -227,3 +234,44 @@ def test_a_lease_renewed_while_a_consumer_waits_to_read_is_allowed() -> None:
     assert run(ReferencePDAdapter, program) is None
     violation = run(MUTANTS["pd-lease-never-ends"].adapter, PROGRAMS["pd-lease-never-ends"])
     assert violation is not None and violation.clause == "PD-LEASE-1", violation
+
+
+class TrailingReceivesPair(SlowStepsPair):
+    """The reference pair on the connector's clock whose consumer reports each receive `DELAY` steps after it finished,
+    as the consumer of a producer that writes the KV itself (push) reports it once the write's notification came: the
+    producer has ended its hold by then."""
+
+    DELAY = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trailing: list[tuple[int, EngineStep]] = []
+
+    def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
+        observation = super().step(complete_transfers)
+        pair = observation.disaggregated
+        assert pair is not None
+        consumer = pair.consumer
+        if consumer.finished_recving:
+            self.trailing.append((self.steps + self.DELAY, consumer))
+        due = [step for at, step in self.trailing if at <= self.steps]
+        self.trailing = [(at, step) for at, step in self.trailing if at > self.steps]
+        reported = {field: tuple(item for step in due for item in getattr(step, field))
+                    for field in ("finished_recving", "failed_recving")}
+        ranks = tuple(rank.model_copy(update={field: tuple(item for step in due for item in
+                                                            getattr(step.ranks[index], field))
+                                              for field in ("finished_recving", "failed_recving")})
+                      for index, rank in enumerate(consumer.ranks))
+        consumer = consumer.model_copy(update={**reported, "ranks": ranks})
+        return observation.model_copy(update={"disaggregated": pair.model_copy(update={"consumer": consumer})})
+
+
+def test_a_receive_reported_after_the_producer_ended_its_hold_is_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PD-HOLD-1 (MAY): on the connector's clock, the consumer's report of a receive may trail the producer's end of
+    the hold by the time reports take to cross the pair (a producer that pushes ends it when its write completed); it
+    failed when it trailed by more than one step. A report that never comes within NOTIFY_SECONDS still fails."""
+    program = [*hand_over(steps=0)[:5], Call("complete_transfers", (False, False)), *[Call("step")] * 12]
+    assert run(TrailingReceivesPair, program) is None
+    monkeypatch.setattr(disaggregated_level, "NOTIFY_SECONDS", 0.05)
+    violation = run(TrailingReceivesPair, program)
+    assert violation is not None and violation.clause == "PD-HOLD-1", violation

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvconform.adapters.vllm import pd, runtime
+from kvconform.adapters.vllm.connector import CONNECTOR_CONFIG
 from kvconform.adapters.vllm.pd import INSTALL, VllmPDAdapter
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import baseline
@@ -58,6 +59,16 @@ def test_a_prefill_read_by_the_consumer_is_conformant(size: int, processes: str)
     assert run(VllmPDAdapter, hand_over(size=size)) is None
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_prefill_pushed_by_the_producer_is_conformant(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NixlConnector in push mode: the consumer registers its blocks, the producer writes its KV into them, each rank
+    its heads. It pairs the decode with its prefill by the request id the proxy sends both engines (before the adapter
+    did, the consumer never reported the receive: PD-ONCE-1), and ends its hold when its write completed, before the
+    consumer reports the receive (PD-HOLD-1's MAY)."""
+    monkeypatch.setenv(CONNECTOR_CONFIG, json.dumps({"transfer_mode": "push"}))
+    assert run(VllmPDAdapter, hand_over(size=size)) is None
+
+
 def test_a_malformed_forward_gets_a_per_clause_verdict_not_a_traceback(processes: str) -> None:
     """Params naming blocks as a string the consumer cannot read are judged under a PD clause, never CONF-CALL-1."""
     violation = run(VllmPDAdapter, hand_over({"remote_block_ids": "not-held"}))
@@ -94,7 +105,7 @@ def consumer_receive(model_directory: str) -> tuple[bool, bool]:
         deadline = time.monotonic() + 20
         while params is None and time.monotonic() < deadline:
             params = adapter.step().disaggregated.producer.params.get("p")
-        adapter.decode(RequestSpec(request_id="d", prompt=PROMPT, max_tokens=3), params)
+        adapter.decode(RequestSpec(request_id="d", prompt=PROMPT, max_tokens=3), params, "p")
         while time.monotonic() < deadline:
             consumer = adapter.step().disaggregated.consumer
             if "d" in consumer.finished_recving:
