@@ -39,6 +39,10 @@ class ImplementationFailure(Exception):
         self.recovered = recovered
         self.result = result
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle it whole, as an engine in another process sends it back (`vllm-pd` with two processes)."""
+        return (type(self), (self.clause, str(self)), {"recovered": self.recovered, "result": self.result})
+
 
 class KVConnectorAdapter(abc.ABC):
     """One implementation under test. The harness builds a fresh adapter per test case.

@@ -83,13 +83,16 @@ class RunOptions:
         return lines + ([f"warning: {self.unverified}"] if self.unverified else [])
 
 
-CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST")
-"""Where the connector that `vllm-connector` builds is named: set by --connector, --connector-config and
---connector-manifest (--kv-connector… in pytest), read by the adapter, also in pytest-xdist workers."""
+CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST",
+                       "KVCONFORM_PD_PROCESSES")
+"""Where the connector that `vllm-connector` and `vllm-pd` build is named, and the processes `vllm-pd` runs in: set by
+--connector, --connector-config, --connector-manifest and --pd-processes (--kv-connector… and --kv-pd-processes in
+pytest), read by the adapter, also in pytest-xdist workers."""
 
 
 def select_connector(*values: str | None) -> None:
-    """Name the connector, its config and its manifest for `vllm-connector`; values not given are left as set."""
+    """Name the connector, its config and its manifest, and `vllm-pd`'s processes; values not given are left as
+    set."""
     for variable, value in zip(CONNECTOR_VARIABLES, values, strict=False):
         if value is not None:
             os.environ[variable] = value

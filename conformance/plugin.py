@@ -33,6 +33,7 @@ OPTION_SEED = "--kv-seed"
 OPTION_CONNECTOR = "--kv-connector"
 OPTION_CONNECTOR_CONFIG = "--kv-connector-config"
 OPTION_CONNECTOR_MANIFEST = "--kv-connector-manifest"
+OPTION_PD_PROCESSES = "--kv-pd-processes"
 OPTION_SCHEDULING = "--kv-scheduling"
 OPTION_CALL_TIMEOUT = "--kv-call-timeout"
 OPTION_DRAIN_TIMEOUT = "--kv-drain-timeout"
@@ -116,6 +117,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="For vllm-connector: kv_connector_extra_config, JSON")
     group.addoption(OPTION_CONNECTOR_MANIFEST, dest="kv_connector_manifest", default=None,
                     help="For vllm-connector: what the connector claims, a JSON object of Capabilities fields")
+    group.addoption(OPTION_PD_PROCESSES, dest="kv_pd_processes", default=None, choices=("1", "2"),
+                    help="For vllm-pd: 2 runs the producer engine in a process of its own (default 1: both in this "
+                         "one)")
 
 
 def isolated(folder: Path) -> list[str]:
@@ -140,7 +144,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from kvconform.conformance import options
 
     options.select_connector(*(config.getoption(dest) for dest in
-                               ("kv_connector", "kv_connector_config", "kv_connector_manifest")))
+                               ("kv_connector", "kv_connector_config", "kv_connector_manifest", "kv_pd_processes")))
     given = {keyword: config.getoption(dest) for keyword, dest in PREPARE_ARGUMENTS.items()}
     try:
         config.stash[RUN_OPTIONS] = options.prepare(spec, **{k: v for k, v in given.items() if v is not None})
@@ -176,7 +180,7 @@ def release_arguments(config: pytest.Config) -> list[str]:
     """Return the `kvconform run` arguments the --kv-* options given stand for, for each release's run."""
     names = {**{dest: f"--{dest.replace('_', '-').removeprefix('kv-')}" for dest in PREPARE_ARGUMENTS.values()},
              "kv_adapter": "--adapter", "kv_connector": "--connector", "kv_connector_config": "--connector-config",
-             "kv_connector_manifest": "--connector-manifest"}
+             "kv_connector_manifest": "--connector-manifest", "kv_pd_processes": "--pd-processes"}
     arguments = ["--adapter", str(adapter_spec(config))]
     for dest, name in names.items():
         value = config.getoption(dest)

@@ -35,11 +35,14 @@ CONNECTOR_OPTIONS = (
                  help="For --adapter vllm-connector: kv_connector_extra_config, JSON"),
     click.option("--connector-manifest", default=None,
                  help="For --adapter vllm-connector: what the connector claims, a JSON object of Capabilities fields"),
+    click.option("--pd-processes", type=click.Choice(["1", "2"]), default=None,
+                 help="For --adapter vllm-pd: 2 runs the producer engine in a process of its own, the consumer in this "
+                      "one (default 1: both here)"),
 )
 
 
 def _connector_options(command):
-    """Add the options that name the connector `vllm-connector` runs (`options.select_connector`)."""
+    """Add the options that name the connector `vllm-connector` and `vllm-pd` run (`options.select_connector`)."""
     for option in reversed(CONNECTOR_OPTIONS):
         command = option(command)
     return command
@@ -80,7 +83,7 @@ def _connector_options(command):
 def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: Path | None, call_timeout: float,
                 drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool,
                 scheduling: str, tensor_parallel_size: int | None, connector: str | None,
-                connector_config: str | None, connector_manifest: str | None,
+                connector_config: str | None, connector_manifest: str | None, pd_processes: str | None,
                 verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = Console(stderr=True)
@@ -88,12 +91,13 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
         given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
                  "--connector": connector, "--connector-config": connector_config,
-                 "--connector-manifest": connector_manifest, "--database": database, "--workers": workers,
+                 "--connector-manifest": connector_manifest, "--pd-processes": pd_processes, "--database": database,
+                 "--workers": workers,
                  "--tensor-parallel-size": tensor_parallel_size}
         arguments = [str(item) for name, value in given.items() if value is not None for item in (name, value)]
         _run_releases(vllm_releases, arguments + ["--certify"] * certify, adapter_spec, profile, report_path,
                       junit_path)
-    options.select_connector(connector, connector_config, connector_manifest)
+    options.select_connector(connector, connector_config, connector_manifest, pd_processes)
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
@@ -281,7 +285,8 @@ def _usage_error(message: str) -> None:
               default=None, help="File of 'CLAUSE-ID: reason' lines: failing one is reported, not fatal")
 @_connector_options
 def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: float, known_failures_path: Path | None,
-                   connector: str | None, connector_config: str | None, connector_manifest: str | None) -> None:
+                   connector: str | None, connector_config: str | None, connector_manifest: str | None,
+                   pd_processes: str | None) -> None:
     """Run scenarios (JSON files with `ops`, or the names of bundled ones) and counterexamples (the program of a JSON
     report, or a JSON list of operations) on an adapter, each on a fresh instance from one factory (an engine such as
     vLLM is imported once) and as `kvconform run` runs its examples: one verdict each; the exit status is the worst
@@ -294,12 +299,13 @@ def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: fl
         replays = [_replayable(source) for source in sources]  # every file checked before the adapter is imported
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
         _usage_error(str(error))
-    options.select_connector(connector, connector_config, connector_manifest)
+    options.select_connector(connector, connector_config, connector_manifest, pd_processes)
     try:
         run = options.prepare(adapter_spec, call_timeout=call_timeout, known_failures_path=known_failures_path)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
-    given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest}
+    given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest,
+             "processes": pd_processes}
     click.echo(f"kvconform: adapter {adapter_spec} {run.implementation_version}, "
                + "".join(f"{name} {value}, " for name, value in given.items() if value is not None)
                + f"call timeout {call_timeout:g}s", err=True)

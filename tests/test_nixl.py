@@ -1,5 +1,6 @@
 """vLLM 0.34.0's NixlConnector through the real NIXL wheels (`vllm-pd`, chapter `disaggregated`): a producer's KV
-read by a consumer over UCX on loopback is judged conformant, and a malformed forward gets a per-clause verdict.
+read by a consumer over UCX on loopback is judged conformant, with both engines in this process and with the producer
+in a process of its own, and a malformed forward gets a per-clause verdict.
 
 Marked `nixl`: they need vLLM 0.34.0 and the NIXL wheels in this environment (`kvconform install-vllm 0.34.0 --nixl`,
 or its release environment); without them they skip with that line."""
@@ -7,11 +8,14 @@ or its release environment); without them they skip with that line."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import time
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
-from kvconform.adapters.vllm import runtime
+from kvconform.adapters.vllm import pd, runtime
 from kvconform.adapters.vllm.pd import INSTALL, VllmPDAdapter
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import baseline
@@ -37,19 +41,79 @@ def hand_over(override: dict | None = None, size: int = 1) -> list[Call]:
                             *([override] if override else [])))]
 
 
+@pytest.fixture(params=["1", "2"], ids=["one process", "two processes"])
+def processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both engines in this process, or the producer in a process of its own (`--pd-processes`)."""
+    monkeypatch.setenv(pd.PROCESSES, request.param)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("size", [1, 2])
-def test_a_prefill_read_by_the_consumer_is_conformant(size: int) -> None:
+def test_a_prefill_read_by_the_consumer_is_conformant(size: int, processes: str) -> None:
     """PD-PARAMS-1, PD-LOAD-1, PD-DATA-1, PD-HOLD-1, PD-NOTIFY-1, PD-TP-1: the consumer's blocks hold the producer's KV
     byte for byte after NIXL's read, each rank its heads, and the producer frees its blocks on the notification of
     every rank. Before the finish hook `request_finished_all_groups` was recorded, PD-PARAMS-1 failed here: no delayed
-    free was seen."""
+    free was seen. Across processes the handshake's compatibility check passes (`enforce_handshake_compat`, on by
+    default, compares a hash that includes the model): both engines name one model directory."""
     assert run(VllmPDAdapter, hand_over(size=size)) is None
 
 
-def test_a_malformed_forward_gets_a_per_clause_verdict_not_a_traceback() -> None:
+def test_a_malformed_forward_gets_a_per_clause_verdict_not_a_traceback(processes: str) -> None:
     """Params naming blocks as a string the consumer cannot read are judged under a PD clause, never CONF-CALL-1."""
     violation = run(VllmPDAdapter, hand_over({"remote_block_ids": "not-held"}))
     assert violation is not None and violation.clause.startswith("PD-"), violation
+
+
+def test_a_producer_process_that_exits_is_named_and_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer's process that dies mid-run ends the call that waits on it with one line saying so, never a hang;
+    the next adapter starts a process of its own."""
+    monkeypatch.setenv(pd.PROCESSES, "2")
+    adapter = VllmPDAdapter()
+    adapter.start(hand_over()[0].args[0])
+    server = adapter.engines["producer"].server
+    server.process.kill()
+    with pytest.raises(pd.EngineProcessLost, match=r"the producer's process exited \(code -9\) (during|before) "
+                                                   r"pair_step"):
+        adapter.step()
+    adapter.close()
+    assert run(VllmPDAdapter, hand_over()) is None
+    assert pd.engine_server() is not server
+
+
+def consumer_receive(model_directory: str) -> tuple[bool, bool]:
+    """Hand a prefill over from a producer process given `model_directory` to the consumer here; return whether the
+    consumer reported the receive and whether it reported it failed."""
+    pd.stop_server()
+    pd._servers[:] = [pd.EngineServer(model_directory)]
+    adapter = VllmPDAdapter()
+    try:
+        start, prefill, *_ = hand_over()
+        adapter.start(start.args[0])
+        adapter.prefill(prefill.args[0])
+        params = None
+        deadline = time.monotonic() + 20
+        while params is None and time.monotonic() < deadline:
+            params = adapter.step().disaggregated.producer.params.get("p")
+        adapter.decode(RequestSpec(request_id="d", prompt=PROMPT, max_tokens=3), params)
+        while time.monotonic() < deadline:
+            consumer = adapter.step().disaggregated.consumer
+            if "d" in consumer.finished_recving:
+                return True, "d" in consumer.failed_recving
+        return False, False
+    finally:
+        adapter.close()
+
+
+def test_the_handshake_compatibility_check_stays_under_test(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """Across processes both engines name one model directory, so NIXL's handshake, whose compatibility hash includes
+    the model (`enforce_handshake_compat`, on), accepts the producer and the read succeeds; a producer given a directory
+    of its own is refused, and the consumer reports the receive failed."""
+    monkeypatch.setenv(pd.PROCESSES, "2")
+    assert consumer_receive(runtime.load().model_config.model) == (True, False)
+    (tmp_path / "config.json").write_text(json.dumps(runtime.OPT_125M_CONFIG))
+    assert consumer_receive(str(tmp_path)) == (True, True)
+    pd.stop_server()
 
 
 def test_the_shipped_known_failures_are_each_classified() -> None:

@@ -9,24 +9,34 @@ params the harness hands it to the consumer unchanged. NIXL moves the KV between
 through its UCX backend over loopback (`kvconform install-vllm 0.34.0 --nixl`): its transfers and its lease run on
 its own clock (`Capabilities.lease_seconds`).
 
+With `KVCONFORM_PD_PROCESSES=2` (`--pd-processes 2`) the producer runs in a process of its own (`EngineServer`), as a
+deployment runs it: NIXL's side channel, handshake and reads then cross processes, and both engines' configs name one
+model directory, so that the handshake's compatibility check (its hash includes the model) stays under test.
+
 vLLM's NIXL worker runs on a CUDA, XPU, TPU or CPU platform; on CPU torch vLLM's platform is the unspecified one,
 so `cpu_platform()` gives it the CPU platform's identity (`CpuPlatformSeam`).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import os
+import pickle
 import random
 import socket
+import subprocess
+import sys
+import traceback
+from multiprocessing.connection import Connection
 from typing import Any
 
 from kvconform.adapters.contract import ImplementationFailure
 from kvconform.adapters.reference_pd import EnginePair, merge
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm import runtime
-from kvconform.adapters.vllm.connector import VllmConnectorAdapter
+from kvconform.adapters.vllm.connector import CONNECTOR, CONNECTOR_CONFIG, CONNECTOR_MANIFEST, VllmConnectorAdapter
 from kvconform.adapters.vllm.engine import TransferSeam
 from kvconform.common.values import (
     REMOTE_FIELDS,
@@ -53,6 +63,14 @@ PORTS = (20000, 32000)
 """Where the engines' side-channel ports are drawn from (vLLM's default, 5600, would be shared by both engines and by
 parallel runs)."""
 
+PROCESSES = "KVCONFORM_PD_PROCESSES"
+"""The processes the pair runs in: "1", both engines in this one (the default), or "2", the producer in a process of
+its own (`EngineServer`)."""
+
+REPLY_SECONDS = 300
+"""How long the producer's process may take to answer one call (a vLLM import under load, then an engine's start)
+before it counts as lost; the harness's own call deadline is shorter (CONF-CALL-2)."""
+
 LAYOUT = "LBHNC"
 """The KV-cache layout the NIXL worker asks for (`NixlConnector.get_required_kvcache_layout`), set on each engine's
 config as vLLM's engine core would resolve it."""
@@ -65,8 +83,6 @@ def cpu_platform() -> None:
     would pin the process to a core with `sched_setaffinity`), a no-op `set_device` (the handshake thread calls it),
     and an attention backend (the unspecified platform has none): the CPU one, with the kernel block sizes of the
     base class (any), as the kit's one-head layout is not a kernel's."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")  # NIXL logs each agent it builds to standard output
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
     from vllm.platforms import current_platform
     from vllm.v1.attention.backend import AttentionBackend
@@ -116,6 +132,9 @@ class PDEngine(VllmConnectorAdapter):
     default_connector = DEFAULT_CONNECTOR
 
     def __init__(self, engine_id: str) -> None:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
+        # NIXL logs each agent it builds to standard output, from its import on (its level names: nixl/logging.py)
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         super().__init__()
         self.engine_id = engine_id
         self.seam = CpuPlatformSeam()
@@ -177,6 +196,10 @@ class PDEngine(VllmConnectorAdapter):
 
         return reads
 
+    def pair_step(self) -> tuple[StepObservation, EngineStep]:
+        """Step the engine; return its observation and its connector facts for the pair's step."""
+        return self.step(), self.engine_step
+
     def observe_connector(self, observation: dict[str, Any]) -> None:
         """Keep the step's connector facts for the pair's step (`EngineStep`)."""
         trace = self.trace
@@ -194,6 +217,8 @@ class PDEngine(VllmConnectorAdapter):
     def close(self) -> None:
         """Stop the connector's threads and side channel, release NIXL's agents now (their UCX threads poll until the
         agent is destroyed, and a failure's traceback keeps the engine alive through shrinking), then the engine."""
+        if self.scheduler is None:  # never started
+            return
         try:
             for connector in (self.scheduler.connector, *(rank.worker for rank in self.ranks)):
                 connector.shutdown()
@@ -205,6 +230,182 @@ class PDEngine(VllmConnectorAdapter):
             super().close()
 
 
+class EngineProcessLost(RuntimeError):
+    """The producer's process exited, or did not answer a call in time."""
+
+
+class EngineServer:
+    """A process of its own that builds and drives the pair's producer engine for this process's adapters, one engine
+    at a time (`serve`). It is started once, as vLLM's import takes seconds, with this process's model directory
+    (`runtime.MODEL_DIRECTORY`), and replaced when it exits or a call to it does not end with its answer. It is a
+    plain interpreter, not a multiprocessing spawn, which would import this process's main script again; in a session
+    of its own, an interrupt is this process's to handle, and it ends when this process closes the connection. Calls
+    and answers are plainly pickled: a tensor by value (multiprocessing's pickler shares it only with a process of its
+    own making)."""
+
+    def __init__(self, model_directory: str) -> None:
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from kvconform.adapters.vllm.pd import serve; "
+                                   "serve(int(sys.argv[1]), sys.argv[2])",
+             str(theirs.fileno()), model_directory],
+            pass_fds=(theirs.fileno(),), start_new_session=True)
+        theirs.close()
+        self.connection = Connection(ours.detach())
+        self.answer("vLLM's import")
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Call `method` of the process's engine ("open" builds one) and return its result, or raise what it raised,
+        with the process's traceback as a note."""
+        try:
+            self.connection.send_bytes(pickle.dumps((method, args)))
+        except OSError:
+            self.stop()
+            raise EngineProcessLost(f"the producer's process exited (code {self.process.returncode}) before "
+                                    f"{method}") from None
+        return self.answer(method)
+
+    def answer(self, method: str) -> Any:
+        """Return what the process answers to `method`, or raise it."""
+        try:
+            if not self.connection.poll(REPLY_SECONDS):
+                raise EngineProcessLost(f"the producer's process did not answer {method} within {REPLY_SECONDS}s")
+            outcome, value, trace = pickle.loads(self.connection.recv_bytes())
+        except (EOFError, OSError):
+            self.stop()
+            raise EngineProcessLost(f"the producer's process exited (code {self.process.returncode}) during "
+                                    f"{method}") from None
+        except BaseException:  # no answer in time, or the harness's deadline: the engine's state is unknown
+            self.stop()
+            raise
+        if outcome == "raised":
+            value.add_note(f"raised in the producer's process:\n{trace}")
+            raise value
+        return value
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process runs and its connection is open."""
+        return not self.connection.closed and self.process.poll() is None
+
+    def stop(self) -> None:
+        """End the process: its engine's state is unknown, or this process exits."""
+        self.connection.close()
+        self.process.terminate()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_servers: list[EngineServer] = []
+
+
+def engine_server() -> EngineServer:
+    """Return this process's engine server, spawning one if there is none alive."""
+    if not (_servers and _servers[-1].alive):
+        if not _servers:
+            atexit.register(stop_server)
+        _servers[:] = [EngineServer(runtime.load().model_config.model)]
+    return _servers[-1]
+
+
+def stop_server() -> None:
+    """End this process's engine server, if one is alive, as this process exits."""
+    if _servers and _servers[-1].alive:
+        _servers[-1].stop()
+
+
+def serve(descriptor: int, model_directory: str) -> None:
+    """The producer's process: build and drive one engine at a time as the calls on the connection `descriptor` say,
+    each answered with what it returned or raised, until the adapter's process closes the connection."""
+    connection = Connection(descriptor)
+    os.environ[runtime.MODEL_DIRECTORY] = model_directory
+    engine: PDEngine | None = None
+    method = "load"  # the first answer: vLLM imported
+    args: tuple[Any, ...] = ()
+    while True:
+        try:
+            if method == "load":
+                runtime.load()
+                value = None
+            elif method == "open":
+                if engine is not None:
+                    engine.close()
+                engine, value = open_engine(*args), None
+            else:
+                value = getattr(engine, method)(*args)
+            reply = ("returned", value, "")
+        except BaseException as error:
+            reply = ("raised", error, traceback.format_exc())
+        try:
+            connection.send_bytes(pickle.dumps(reply))
+        except Exception as error:  # what it returned or raised does not pickle
+            connection.send_bytes(pickle.dumps(("raised", EngineProcessLost(f"{method}'s outcome cannot be sent back: "
+                                                                            f"{type(error).__name__}: {error}"),
+                                                reply[2])))
+        try:
+            method, args = pickle.loads(connection.recv_bytes())
+        except EOFError:  # the adapter's process closed it, or exited
+            return
+
+
+def open_engine(engine_id: str, environment: dict[str, str | None]) -> PDEngine:
+    """Build an engine with the connector `environment` names (`ProducerProcess.ENVIRONMENT`)."""
+    for variable, setting in environment.items():
+        if setting is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = setting
+    return PDEngine(engine_id)
+
+
+class ProducerProcess:
+    """The pair's producer engine in this process's `EngineServer`, with the `PDEngine` calls the pair makes."""
+
+    ENVIRONMENT = (CONNECTOR, CONNECTOR_CONFIG, CONNECTOR_MANIFEST)
+    """What names the connector, passed to the engine when it is built."""
+
+    def __init__(self, engine_id: str) -> None:
+        """Build the engine in the process (spawned first if there is none: outside any call's deadline)."""
+        self.server = engine_server()
+        self.call("open", engine_id, {variable: os.environ.get(variable) for variable in self.ENVIRONMENT})
+        self.requests: set[str] = set()
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self.server.call(method, *args)
+
+    def start(self, config: EngineConfig) -> None:
+        self.call("start", config)
+
+    def add_request(self, request: RequestSpec, kv_transfer_params: dict[str, Any] | None = None) -> None:
+        self.call("add_request", request, kv_transfer_params)
+        self.requests.add(request.request_id)
+
+    def pair_step(self) -> tuple[StepObservation, EngineStep]:
+        return self.call("pair_step")
+
+    def abort(self, request_id: str) -> None:
+        self.call("abort", request_id)
+
+    def preempt(self, request_id: str) -> None:
+        self.call("preempt", request_id)
+
+    def reset_prefix_cache(self, reset_connector: bool) -> bool:
+        return bool(self.call("reset_prefix_cache", reset_connector))
+
+    def computed_kv(self, request_id: str) -> Any:
+        return self.call("computed_kv", request_id)
+
+    def resource_usage(self) -> Any:
+        return self.call("resource_usage")
+
+    def close(self) -> None:
+        if self.server.alive:
+            self.call("close")
+
+
 class VllmPDAdapter(EnginePair):
     """A producer and a consumer vLLM engine with a P/D connector, stepped one after the other (chapter
     `disaggregated`)."""
@@ -212,18 +413,23 @@ class VllmPDAdapter(EnginePair):
     name = "vllm-pd"
 
     def __init__(self) -> None:
-        self.engines = {"producer": PDEngine("prefill-engine"), "consumer": PDEngine("decode-engine")}
-        if "Nixl" in self.engines["producer"].connector_name and importlib.util.find_spec("nixl") is None:
-            raise AdapterNotFound(f"{self.engines['producer'].connector_name} needs the NIXL wheels, which are not "
-                                  f"installed: {INSTALL}")
-        self.lease_seconds = float(self.engines["producer"].connector_config.get("kv_lease_duration", LEASE_SECONDS))
+        processes = os.environ.get(PROCESSES, "1")
+        if processes not in ("1", "2"):
+            raise AdapterNotFound(f"{PROCESSES} must be 1 or 2, not {processes!r}")
+        consumer = PDEngine("decode-engine")
+        if "Nixl" in consumer.connector_name and importlib.util.find_spec("nixl") is None:
+            raise AdapterNotFound(f"{consumer.connector_name} needs the NIXL wheels, which are not installed: "
+                                  f"{INSTALL}")
+        producer = PDEngine("prefill-engine") if processes == "1" else ProducerProcess("prefill-engine")
+        self.engines = {"producer": producer, "consumer": consumer}
+        self.lease_seconds = float(consumer.connector_config.get("kv_lease_duration", LEASE_SECONDS))
         """The producer's lease, on the connector's clock (PD-LEASE-1)."""
 
     def implementation_version(self) -> str:
-        return self.engines["producer"].implementation_version()
+        return self.engines["consumer"].implementation_version()
 
     def behaviours(self) -> tuple[str, ...]:
-        return self.engines["producer"].behaviours()
+        return self.engines["consumer"].behaviours()
 
     def capabilities(self) -> Capabilities:
         """The consumer engine's, at the disaggregated level, with the producer's lease on the connector's clock."""
@@ -244,18 +450,16 @@ class VllmPDAdapter(EnginePair):
         self.engines["consumer"].add_request(request, dict(kv_transfer_params))
 
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
-        observations = [engine.step() for engine in self.engines.values()]
-        pair = DisaggregatedStep.model_construct(producer=self.engines["producer"].engine_step,
-                                                 consumer=self.engines["consumer"].engine_step)
-        return merge(observations, pair)
+        (producer, producer_step), (consumer, consumer_step) = (self.engines[role].pair_step()
+                                                                for role in ("producer", "consumer"))
+        return merge([producer, consumer], DisaggregatedStep.model_construct(producer=producer_step,
+                                                                             consumer=consumer_step))
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         """The connector completes its transfers itself (`harness_completes_transfers` False)."""
 
     def close(self) -> None:
         try:
-            if self.engines["producer"].scheduler is not None:
-                self.engines["producer"].close()
+            self.engines["producer"].close()
         finally:
-            if self.engines["consumer"].scheduler is not None:
-                self.engines["consumer"].close()
+            self.engines["consumer"].close()

@@ -39,6 +39,11 @@ OPT_125M_CONFIG = {
 }
 """A model config of OPT-125m's shape: vLLM's ModelConfig needs one; no weights are ever loaded."""
 
+MODEL_DIRECTORY = "KVCONFORM_MODEL_DIRECTORY"
+"""Where the model config is written, when an engine in another process must have the same one: vLLM's configs name
+the model by its directory, and a P/D connector may compare them across engines (NIXL's handshake compatibility hash
+includes `model_config.model`); by default a private directory of this process."""
+
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 16
 
@@ -151,8 +156,8 @@ def load() -> Runtime:
     except Exception as error:  # a broken install: name the fix, not the traceback
         raise VllmUnavailable(f"vLLM {version} is installed but cannot be imported ({type(error).__name__}: "
                               f"{error}); reinstall it with `kvconform install-vllm {version}`") from error
-    model_dir = private / "model"
-    model_dir.mkdir()
+    model_dir = Path(os.environ.get(MODEL_DIRECTORY) or private / "model")
+    model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(OPT_125M_CONFIG))
     model_config = modules["config"].ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16",
                                                  max_model_len=MAX_MODEL_LEN, seed=0)
