@@ -75,6 +75,16 @@ def test_a_malformed_forward_gets_a_per_clause_verdict_not_a_traceback(processes
     assert violation is not None and violation.clause.startswith("PD-"), violation
 
 
+def test_params_lacking_blocks_aborted_before_the_read_get_a_per_clause_verdict() -> None:
+    """PD-PARAMS-2: a consumer request forwarded without `remote_block_ids` and aborted before it was scheduled makes
+    NIXL 0.34's scheduler raise KeyError in its next step (`nixl/pull_scheduler.py`:222-233, `nixl/metadata.py`:341),
+    judged under PD-PARAMS-2, never CONF-CALL-1 (the ci profile found it as CONF-CALL-1)."""
+    decode = hand_over({"remote_block_ids": None})[-1]
+    violation = run(VllmPDAdapter, [*hand_over({"remote_block_ids": None}), Call("abort", (decode.args[0].request_id,)),
+                                    Call("step")])
+    assert violation is not None and violation.clause == "PD-PARAMS-2", violation
+
+
 def test_a_producer_process_that_exits_is_named_and_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer's process that dies mid-run ends the call that waits on it with one line saying so, never a hang;
     the next adapter starts a process of its own."""

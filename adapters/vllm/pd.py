@@ -144,6 +144,8 @@ class PDEngine(VllmConnectorAdapter):
         self.delayed: set[str] = set()
         """Finished requests whose free the connector delays, until it reports them in `finished_sending`."""
         self.engine_step = EngineStep(engine_id=engine_id, ranks=())
+        self.malformed: dict[str, list[str]] = {}
+        """Remote prefills sent params lacking a field -> those fields (PD-PARAMS-2)."""
 
     def transfer_config(self) -> dict[str, Any]:
         return {**super().transfer_config(), "engine_id": self.engine_id, "kv_buffer_device": "cpu"}
@@ -160,29 +162,42 @@ class PDEngine(VllmConnectorAdapter):
         connector.set_xfer_handshake_metadata_pp_aware({(0, rank.index): rank.worker.get_handshake_metadata()
                                                          for rank in self.ranks})
 
+    def add_request(self, request: RequestSpec, kv_transfer_params: dict[str, Any] | None = None) -> None:
+        """Queue `request`, noting params of a remote prefill that lack a field (PD-PARAMS-2)."""
+        params = kv_transfer_params or {}
+        missing = [name for name in REMOTE_FIELDS if name not in params]
+        if params.get("do_remote_prefill") and missing:
+            self.malformed[request.request_id] = missing
+        super().add_request(request, kv_transfer_params)
+
     def attach(self) -> None:
-        """Turn the connector's failure on params a proxy forwarded malformed into PD-PARAMS-2, a verdict: NIXL 0.34
-        asserts on a remote prefill without `remote_block_ids` (`nixl/pull_scheduler.py`:189); and a worker's raise on
-        a read into PD-FAIL-1 (`failing_reads`)."""
+        """Turn the connector's failure on params a proxy forwarded malformed into PD-PARAMS-2, a verdict
+        (`failing_on_malformed_params`); and a worker's raise on a read into PD-FAIL-1 (`failing_reads`)."""
         super().attach()
         connector = self.scheduler.connector
-        hook = connector.update_state_after_alloc
-
-        def update_state_after_alloc(request: Any, *args: Any, **kwargs: Any) -> Any:
-            params = dict(request.kv_transfer_params or {})
-            try:
-                return hook(request, *args, **kwargs)
-            except Exception as error:
-                missing = [name for name in REMOTE_FIELDS if name not in params]
-                if not params.get("do_remote_prefill") or not missing:
-                    raise
-                raise ImplementationFailure("PD-PARAMS-2", f"update_state_after_alloc raised {type(error).__name__} "
-                                                           f"{error} for request {request.request_id!r}, whose params "
-                                                           f"lack {missing}") from error
-
-        connector.update_state_after_alloc = update_state_after_alloc
+        for name in ("update_state_after_alloc", "build_connector_meta"):
+            setattr(connector, name, self.failing_on_malformed_params(name, getattr(connector, name)))
         for rank in self.ranks:
             rank.worker.start_load_kv = self.failing_reads(rank.worker.start_load_kv)
+
+    def failing_on_malformed_params(self, name: str, hook: Any) -> Any:
+        """Return the scheduler-side connector's `hook`, a raise in it while a remote prefill with params lacking a
+        field was sent a PD-PARAMS-2 verdict: NIXL 0.34 asserts in `update_state_after_alloc` on one without
+        `remote_block_ids` (`nixl/pull_scheduler.py`:189), and its `build_connector_meta` raises KeyError for one
+        aborted before it was scheduled (`nixl/pull_scheduler.py`:222-233 queues it to notify the producer,
+        `nixl/metadata.py`:341 reads the field)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return hook(*args, **kwargs)
+            except Exception as error:
+                if not self.malformed:
+                    raise
+                raise ImplementationFailure("PD-PARAMS-2", f"{name} raised {type(error).__name__} {error}: the "
+                                                           "consumer was sent requests whose params lack fields it "
+                                                           f"must refuse them for, {self.malformed}") from error
+
+        return call
 
     @staticmethod
     def failing_reads(start_load_kv: Any) -> Any:
