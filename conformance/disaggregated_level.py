@@ -446,8 +446,9 @@ def check_failed_receives(judge: DisaggregatedJudge, observation: StepObservatio
 @check("PD-HOLD-1", kind="disaggregated")
 def check_holds(judge: DisaggregatedJudge, observation: StepObservation, producer: EngineStep,
                 consumer: EngineStep) -> None:
-    """The producer neither writes nor gives up a held request's blocks, and ends a hold only after a consumer read it
-    or its lease ended: at the latest one step before the consumer reported the read, as the reports cross the pair;
+    """The producer neither writes nor gives up a held request's blocks, and ends a hold only after a consumer read it,
+    the consumer request that was to read it was aborted (its notification, PD-ABORT-1), or its lease ended: at the
+    latest one step before the consumer reported the read, as the reports cross the pair;
     on the connector's clock, NOTIFY_SECONDS before (a producer that writes the KV itself reports its write done while
     the consumer's report of it is on its way)."""
     pair = judge.pair
@@ -468,13 +469,14 @@ def check_holds(judge: DisaggregatedJudge, observation: StepObservation, produce
     read_now = {params.get("remote_request_id") for decode, params in pair.decodes.items()
                 if any(decode in report.finished_recving and decode not in report.failed_recving
                        for report in consumer.ranks)}
+    abandoned = {params.get("remote_request_id") for decode, params in pair.decodes.items() if decode in pair.aborted}
     notify_seconds = NOTIFY_SECONDS if judge.execution.capabilities.lease_seconds is not None else None
     for request_id, (step, ended) in list(pair.released_unread.items()):
-        if request_id in pair.reads or request_id in read_now:
+        if request_id in pair.reads or request_id in read_now or request_id in abandoned:
             del pair.released_unread[request_id]
         elif judge.elapsed(step, ended, 1, notify_seconds):
             raise _fault("PD-HOLD-1", f"the producer ended the hold of {request_id!r} in step {step}, neither read by "
-                                      "a consumer nor at the end of its lease")
+                                      "a consumer, nor given up by an aborted one, nor at the end of its lease")
 
 
 @check("PD-LEASE-1", "PD-NOTIFY-1", kind="disaggregated")

@@ -275,3 +275,36 @@ def test_a_receive_reported_after_the_producer_ended_its_hold_is_in_time(monkeyp
     monkeypatch.setattr(disaggregated_level, "NOTIFY_SECONDS", 0.05)
     violation = run(TrailingReceivesPair, program)
     assert violation is not None and violation.clause == "PD-HOLD-1", violation
+
+
+class AbortNotifyingPair(ReferencePDAdapter):
+    """The reference pair whose consumer, when a request forwarded params is aborted before it was scheduled, notifies
+    the producer that it will not read, as vLLM NIXL's does (`nixl/pull_scheduler.py`:222-233): the producer ends
+    the hold then, before its lease."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwarded: dict[str, dict] = {}
+
+    def decode(self, request: RequestSpec, kv_transfer_params: dict, prefill_id: str) -> None:
+        self.forwarded[request.request_id] = kv_transfer_params
+        super().decode(request, kv_transfer_params, prefill_id)
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        params = self.forwarded.pop(request_id, None)
+        producer = self.sides["producer"].connector
+        if params is not None and isinstance(producer, ProducerConnector):
+            producer.transport.notifications[producer.engine_id] += [(params["remote_request_id"], rank)
+                                                                     for rank in range(producer.world_size)]
+
+
+def test_a_hold_given_up_by_an_aborted_consumer_request_may_end_before_its_lease() -> None:
+    """PD-HOLD-1 agrees with PD-ABORT-1: a producer ends a hold on the notification that the consumer request that was
+    to read it was aborted; it failed as a hold ended unread (vLLM NIXL 0.34, ci profile). A hold ended early with no
+    such abort still fails (pd-frees-before-read)."""
+    program = [*hand_over(steps=0)[:3], Call("step"), hand_over(steps=0)[3], Call("abort", ("d",)),
+               *[Call("step")] * 4]
+    assert run(AbortNotifyingPair, program) is None
+    violation = run(MUTANTS["pd-frees-before-read"].adapter, PROGRAMS["pd-frees-before-read"])
+    assert violation is not None and violation.clause == "PD-HOLD-1", violation
