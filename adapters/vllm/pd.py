@@ -335,7 +335,7 @@ _servers: list[EngineServer] = []
 
 
 def engine_server() -> EngineServer:
-    """Return this process's engine server, spawning one if there is none alive."""
+    """Return this process's engine server, starting one if there is none alive."""
     if not (_servers and _servers[-1].alive):
         if not _servers:
             atexit.register(stop_server)
@@ -400,7 +400,7 @@ class ProducerProcess:
     """What names the connector, passed to the engine when it is built."""
 
     def __init__(self, engine_id: str) -> None:
-        """Build the engine in the process (spawned first if there is none: outside any call's deadline)."""
+        """Build the engine in the process (started first if there is none: outside any call's deadline)."""
         self.server = engine_server()
         self.call("open", engine_id, {variable: os.environ.get(variable) for variable in self.ENVIRONMENT})
         self.requests: set[str] = set()
