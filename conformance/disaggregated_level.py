@@ -448,9 +448,9 @@ def check_holds(judge: DisaggregatedJudge, observation: StepObservation, produce
                 consumer: EngineStep) -> None:
     """The producer neither writes nor gives up a held request's blocks, and ends a hold only after a consumer read it,
     the consumer request that was to read it was aborted (its notification, PD-ABORT-1), or its lease ended: at the
-    latest one step before the consumer reported the read, as the reports cross the pair;
-    on the connector's clock, NOTIFY_SECONDS before (a producer that writes the KV itself reports its write done while
-    the consumer's report of it is on its way)."""
+    latest one step before the consumer reported the read, as the reports cross the pair; on the connector's clock,
+    NOTIFY_SECONDS before (a producer that writes the KV itself reports its write done while the consumer's report of
+    it is on its way)."""
     pair = judge.pair
     for request_id, hold in pair.holds.items():
         judge.exercise("PD-HOLD-1")

@@ -92,8 +92,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
                  "--connector": connector, "--connector-config": connector_config,
                  "--connector-manifest": connector_manifest, "--pd-processes": pd_processes, "--database": database,
-                 "--workers": workers,
-                 "--tensor-parallel-size": tensor_parallel_size}
+                 "--workers": workers, "--tensor-parallel-size": tensor_parallel_size}
         arguments = [str(item) for name, value in given.items() if value is not None for item in (name, value)]
         _run_releases(vllm_releases, arguments + ["--certify"] * certify, adapter_spec, profile, report_path,
                       junit_path)

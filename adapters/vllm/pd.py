@@ -456,8 +456,8 @@ class VllmPDAdapter(EnginePair):
         self.engines = {"producer": producer, "consumer": consumer}
         self.lease_seconds = float(consumer.connector_config.get("kv_lease_duration", LEASE_SECONDS))
         """The producer's lease, on the connector's clock (PD-LEASE-1)."""
-        self.engine_ids: dict[str, str] = {}
-        """Each request's id in its engine (`engine_id`), by the harness's id."""
+        self.request_ids: dict[str, str] = {}
+        """Each request's id in its engine (`as_sent`), by the harness's id."""
         self.suffixes = itertools.count(1)
 
     def implementation_version(self) -> str:
@@ -475,35 +475,35 @@ class VllmPDAdapter(EnginePair):
         for engine in self.engines.values():
             engine.start(config)
 
-    def engine_id(self, request: RequestSpec, shared: str | None = None) -> RequestSpec:
+    def as_sent(self, request: RequestSpec, shared: str | None = None) -> RequestSpec:
         """Return `request` under the id its engine knows it by, as vLLM names a request it is sent: the id the proxy
         gave, `shared` by a prefill and the decode that reads it (a P/D proxy sends both engines one request id; NIXL's
         push mode pairs them by it, `nixl/push_worker.py`:436-468), and a random 8-hex suffix of the engine's
         (`v1/engine/input_processor.py`:359), here a count."""
         inner = f"{shared or request.request_id}-{next(self.suffixes):08x}"  # vLLM's suffix: 8 hex digits
-        self.engine_ids[request.request_id] = inner
+        self.request_ids[request.request_id] = inner
         return request.model_copy(update={"request_id": inner})
 
     def add_request(self, request: RequestSpec) -> None:
-        self.engines["consumer"].add_request(self.engine_id(request))
+        self.engines["consumer"].add_request(self.as_sent(request))
 
     def prefill(self, request: RequestSpec) -> None:
-        self.engines["producer"].add_request(self.engine_id(request), {"do_remote_decode": True})
+        self.engines["producer"].add_request(self.as_sent(request), {"do_remote_decode": True})
 
     def decode(self, request: RequestSpec, kv_transfer_params: dict[str, Any], prefill_id: str) -> None:
         """Forward the params as the harness gave them, the request ids in them as the engines know them; the decode
         shares the proxy's id of its prefill."""
-        self.engines["consumer"].add_request(self.engine_id(request, prefill_id),
-                                             renamed(dict(kv_transfer_params), self.engine_ids))
+        self.engines["consumer"].add_request(self.as_sent(request, prefill_id),
+                                             renamed(dict(kv_transfer_params), self.request_ids))
 
     def abort(self, request_id: str) -> None:
-        super().abort(self.engine_ids.get(request_id, request_id))
+        super().abort(self.request_ids.get(request_id, request_id))
 
     def preempt(self, request_id: str) -> None:
-        super().preempt(self.engine_ids.get(request_id, request_id))
+        super().preempt(self.request_ids.get(request_id, request_id))
 
     def computed_kv(self, request_id: str) -> Any:
-        return super().computed_kv(self.engine_ids.get(request_id, request_id))
+        return super().computed_kv(self.request_ids.get(request_id, request_id))
 
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
         """Step the producer, then the consumer; the step is reported under the harness's request ids."""
@@ -511,7 +511,7 @@ class VllmPDAdapter(EnginePair):
                                                                 for role in ("producer", "consumer"))
         pair = merge([producer, consumer], DisaggregatedStep.model_construct(producer=producer_step,
                                                                              consumer=consumer_step))
-        return cast(StepObservation, renamed(pair, {inner: outer for outer, inner in self.engine_ids.items()}))
+        return cast(StepObservation, renamed(pair, {inner: outer for outer, inner in self.request_ids.items()}))
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         """The connector completes its transfers itself (`harness_completes_transfers` False)."""
