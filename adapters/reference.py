@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import torch
 
-import kvconform
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.common.values import (
     BlockRef,
@@ -18,6 +17,7 @@ from kvconform.common.values import (
     StoreSnapshot,
     TransferOutcome,
 )
+from kvconform.common.version import KIT_VERSION
 from kvconform.reference.engine import Engine, StepResult
 from kvconform.reference.observation import Observer
 
@@ -50,7 +50,7 @@ class ReferenceAdapter(KVConnectorAdapter):
         return self._observer
 
     def implementation_version(self) -> str:
-        return kvconform.__version__
+        return KIT_VERSION
 
     def capabilities(self) -> Capabilities:
         return Capabilities(complete_in_step=True, reads_stored_kv=True)

@@ -16,7 +16,6 @@ from typing import Any, cast
 
 import torch
 
-import kvconform
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.common.values import (
     Capabilities,
@@ -30,6 +29,7 @@ from kvconform.common.values import (
     StoreSnapshot,
     TransferOutcome,
 )
+from kvconform.common.version import KIT_VERSION
 from kvconform.reference.connector import ConnectorUpdate, SchedulerOutput
 from kvconform.reference.disaggregated import (
     LEASE_STEPS,
@@ -236,7 +236,7 @@ class ReferencePDAdapter(EnginePair):
         self.observers: dict[str, Observer] = {}
 
     def implementation_version(self) -> str:
-        return kvconform.__version__
+        return KIT_VERSION
 
     def capabilities(self) -> Capabilities:
         return Capabilities(levels=("disaggregated",), complete_in_step=True, block_size_factors=(1,),

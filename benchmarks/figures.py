@@ -12,7 +12,7 @@ import torch
 from pydantic import BaseModel, Field, computed_field
 from rich.table import Table
 
-import kvconform
+from kvconform.common.version import KIT_VERSION
 
 Progress = Callable[[str], None]
 """Where a benchmark reports what it is doing, one line at a time."""
@@ -107,7 +107,7 @@ def build_report(benchmarks: list[str], figures: list[Figure], seconds: float) -
     for figure in figures:
         if figure.value is not None and not math.isfinite(figure.value):
             raise ValueError(f"{figure.benchmark}: {figure.figure} is not a finite number: {figure.value}")
-    return BenchReport(kvconform_version=kvconform.__version__,
+    return BenchReport(kvconform_version=KIT_VERSION,
                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        seconds=seconds, benchmarks=benchmarks, machine=this_machine(), figures=figures)
 

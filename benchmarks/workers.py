@@ -27,10 +27,12 @@ from typing import Any
 
 from kvconform.benchmarks import catalogue_suite
 from kvconform.benchmarks.figures import Figure, Progress, at_least
+from kvconform.conformance.campaign import isolated
 from kvconform.conformance.mutants import MUTANTS
-from kvconform.conformance.plugin import SUITE, isolated
 
 NAME = "workers"
+STATE_MACHINE = ["--pyargs", "kvconform.suite::test_state_machine"]
+"""The state machine of the pytest plugin's suite, as a user's `pytest -n N --kv-adapter=…` runs it."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def measure(settings: WorkersSettings, progress: Progress) -> list[Figure]:
 def _state_machine(settings: WorkersSettings, workers: int) -> PytestRun:
     with tempfile.TemporaryDirectory(prefix="kvconform-bench-") as folder:
         path = Path(folder) / "run.json"
-        run = _pytest(Path(folder), workers, [f"{SUITE}::test_state_machine", "--kv-adapter=reference",
+        run = _pytest(Path(folder), workers, [*STATE_MACHINE, "--kv-adapter=reference",
                                               f"--kv-profile={settings.profile}", f"--kv-seed={settings.seed}",
                                               "--kv-database=none", f"--kv-report={path}"], {})
         if not path.exists():

@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.spec import registry
 
 if TYPE_CHECKING:  # annotations only; Python 3.10 has Traversable in importlib.abc, 3.11 moved it

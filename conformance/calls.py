@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.common.values import Capabilities, EngineConfig, ResourceUsage, StepObservation, StoreSnapshot
-from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.judging.judge import ClauseViolation
 
 DEFAULT_CALL_TIMEOUT = 30.0
 """Seconds one adapter call may take before its outcome is reported as unknown (CONF-CALL-2)."""

@@ -5,21 +5,20 @@ A program is a list of `Call`s: the adapter operations `start`, `add_request`, `
 (complete transfers and step until the engine is idle, then check for leaks). The state machine draws programs,
 the shrinker edits them, and a counterexample is one. `Execution.apply` runs one call on the adapter and hands every
 operation and answer to one `Judge` per spec level, on the adapter's own schedule: the connector level from what
-crosses the connector API (`connector_level.py`), the offloading level against the reference engine stepped
+crosses the connector API (`judging/connector.py`), the offloading level against the reference engine stepped
 alongside, which schedules as the adapter did and so knows what the connector and the store must do
-(`offloading_level.py`), and a pair of engines on both their schedules, joined by the params the harness forwards
-(`disaggregated_level.py`).
+(`judging/offloading.py`), and a pair of engines on both their schedules, joined by the params the harness forwards
+(`judging/disaggregated.py`). An execution is the judges' `judging.judge.Run`: what they may ask of it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, Field
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
@@ -27,18 +26,15 @@ from kvconform.common.values import (
     Capabilities,
     EngineConfig,
     RequestSpec,
-    ResourceUsage,
-    SpecLevel,
     StepObservation,
     TransferOutcome,
 )
 from kvconform.conformance import exercise
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
-from kvconform.conformance.checks import ClauseViolation, Kind, checks_of
-from kvconform.conformance.connector_level import ConnectorJudge
-from kvconform.conformance.disaggregated_level import DisaggregatedJudge, forwarded_params
-from kvconform.conformance.offloading_level import OffloadingJudge
+from kvconform.conformance.judging.disaggregated import forwarded_params
+from kvconform.conformance.judging.judge import ClauseViolation, EngineState, Judge, Kind, checks_of
+from kvconform.conformance.judging.levels import judges_for
 from kvconform.conformance.operations import Call
 from kvconform.reference.engine import Engine
 from kvconform.reference.errors import InvalidCall
@@ -120,8 +116,7 @@ class Session:
     exercise: exercise.Table = field(default_factory=dict)
     """How often the run drew each situation, per scheduling mode (`exercise.SITUATIONS`, CONF-CAP-1)."""
     findings: dict[str, str] = field(default_factory=dict)
-    """Faults the engine's scheduler masked, by clause (`connector_level.record_masked`): reported, not
-    failed."""
+    """Faults the engine's scheduler masked, by clause (`judging.connector.record_masked`): reported, not failed."""
     statistics: RunStatistics = field(default_factory=RunStatistics)
     observed_failure: ClauseViolation | None = None
     """The run's first failure as it happened, carrying its program: the evidence where a replay does not fail again,
@@ -137,54 +132,9 @@ class Session:
         return self.capabilities
 
 
-class EngineState(Protocol):
-    """Where the engine's requests are, as a judge follows them: for the state machine's preconditions and the drain."""
-
-    def unfinished(self) -> list[str]: ...
-    def loading(self) -> list[str]: ...
-    def running(self) -> list[str]: ...
-    def storing(self) -> list[str]: ...
-    def stores_in_flight(self) -> bool: ...
-    def transfers_pending(self) -> bool: ...
-    def resident(self) -> list[str]: ...
-    def busy(self) -> bool: ...
-
-    def idle(self, usage: ResourceUsage) -> bool:
-        """Return True once an engine that is not `busy` needs no more steps, given the adapter's resource usage."""
-
-
-class Judge(EngineState, Protocol):
-    """One spec level's judge of an execution: told each operation before the adapter runs it, and each answer the
-    adapter gave, it judges the answers by the checks of its level (`checks.check`). Built at `start`."""
-
-    def add_request(self, spec: RequestSpec) -> None: ...
-    def prefill(self, spec: RequestSpec) -> None: ...
-    def decode(self, spec: RequestSpec, params: dict[str, Any]) -> None: ...
-    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None: ...
-    def abort(self, request_id: str) -> None: ...
-    def preempt(self, request_id: str) -> None: ...
-    def step_observed(self, observation: StepObservation, completed_in_step: TransferOutcome | None) -> None: ...
-    def resident_kv(self, request_id: str, kv: torch.Tensor) -> None: ...
-    def reset_answered(self, reset_connector: bool, answer: bool) -> None: ...
-    def drained(self, usage: ResourceUsage, waited: str) -> None: ...
-
-
-JUDGES: dict[SpecLevel, Callable[[Execution, EngineConfig], Judge]] = {
-    "disaggregated": DisaggregatedJudge, "offloading": OffloadingJudge, "connector": ConnectorJudge}
-"""Each spec level's judge, the deeper level first: a failure it finds names the block and the cause."""
-
-
-def judged_levels(capabilities: Capabilities) -> set[SpecLevel]:
-    """Return the levels an adapter is judged at: those it reports, and the connector level, which every connector
-    meets (chapter `connector-level`); a producer/consumer pair is judged at the disaggregated level alone, as it is
-    not one engine (chapter `disaggregated`)."""
-    if "disaggregated" in capabilities.levels:
-        return {"disaggregated"}
-    return {"connector", *capabilities.levels}
-
-
 class Execution:
-    """One fresh adapter driven through a program, its answers judged at every level it is judged at."""
+    """One fresh adapter driven through a program, its answers judged at every level it is judged at: the judges'
+    `judging.judge.Run`."""
 
     def __init__(self, session: Session, coverage: dict[str, int] | None = None) -> None:
         self.session = session
@@ -309,8 +259,7 @@ class Execution:
             raise
 
     def _start(self, config: EngineConfig) -> None:
-        levels = judged_levels(self.capabilities)
-        self.judges = [judge(self, config) for level, judge in JUDGES.items() if level in levels]
+        self.judges = judges_for(self, config)
         self._state = self.judges[0]
         self.mode = "async" if config.async_scheduling else "sync"
         self.call("start", config)
@@ -410,6 +359,26 @@ class Execution:
                   f"deadline {self.session.drain_timeout:g} s)")
         for judge in self.judges:
             judge.drained(usage, waited)
+
+    # --- what a judge may ask of the run (judging.judge.Run) ----------------------------------------
+
+    def reference_engine(self, config: EngineConfig) -> Engine:
+        return self.session.reference(config)
+
+    def timed_reference(self, seconds: float) -> None:
+        self.session.statistics.reference_seconds += seconds
+
+    def known_failures(self) -> Collection[str]:
+        return self.session.baseline.entries
+
+    def tolerates(self, violation: ClauseViolation) -> bool:
+        return self.session.baseline.tolerates(violation)
+
+    def followed_deviation(self) -> None:
+        self.deviated = True
+
+    def finding(self, clause: str, detail: str) -> None:
+        self.session.findings.setdefault(clause, detail)
 
     # --- judging -----------------------------------------------------------------------------
 

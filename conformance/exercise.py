@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from kvconform.common.values import Capabilities, TransferOutcome
+from kvconform.conformance.judging.judge import EngineState
 from kvconform.conformance.operations import Call
-
-if TYPE_CHECKING:
-    from kvconform.conformance.execution import EngineState
 
 Mode = Literal["sync", "async"]
 

@@ -22,8 +22,8 @@ from kvconform.adapters.registry import AdapterNotFound, available, resolve
 from kvconform.common.values import Capabilities
 from kvconform.conformance import baseline, examples, report, runner
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
-from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT
+from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.machine import Scheduling
 from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES, Shard
 

@@ -11,11 +11,11 @@ from xml.etree import ElementTree
 
 from pydantic import BaseModel, Field
 
-import kvconform
 from kvconform.common.values import Capabilities, SpecLevel
+from kvconform.common.version import KIT_VERSION
 from kvconform.conformance import exercise
-from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.execution import RunStatistics, Scheduling
+from kvconform.conformance.judging.levels import run_time_clauses
 from kvconform.conformance.runner import Outcome, RunResult
 from kvconform.spec import registry
 
@@ -134,7 +134,7 @@ def build(result: RunResult, implementation_version: str, capabilities: Capabili
     clauses = _verdicts(result.coverage, result.failed_clause, result.known_failures,
                         not_applicable(capabilities, result.levels))
     run_report = RunReport(
-        kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), adapter=result.adapter,
+        kvconform_version=KIT_VERSION, spec_version=registry.spec_version(), adapter=result.adapter,
         implementation_version=implementation_version, capabilities=capabilities, behaviours=behaviours or [],
         known_failures_files=known_failures_files or [], profile=result.profile, seed=result.seed,
         scheduling=result.scheduling, levels=list(result.levels), certified_levels=[],

@@ -17,8 +17,8 @@ from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.common.values import Capabilities, SpecLevel
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
-from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT, RunStatistics, Scheduling, Session
+from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.machine import machine_for
 from kvconform.conformance.operations import render
 from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone

@@ -41,8 +41,8 @@ from kvconform.common.values import (
     TransferOutcome,
 )
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung
-from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Diverged, Execution, Session
+from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.operations import OPERATIONS, Call, ProgramError
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.kv_history import RequestHistory

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
-from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Replay, Session, replay
+from kvconform.conformance.judging.judge import ClauseViolation
 
 REPLAYS_PER_CANDIDATE = 3
 """Times a candidate of a connector on its own clock is replayed before it is dropped: whether it fails depends on

@@ -1,3 +1,5 @@
 """kvconform: executable specification and conformance kit for KV-cache offload connectors."""
 
-__version__ = "0.1.0"
+from kvconform.common.version import KIT_VERSION as __version__
+
+__all__ = ["__version__"]

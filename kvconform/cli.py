@@ -172,8 +172,9 @@ def _run_in_workers(workers: int, **values):
     options; certifying is left to the caller, on the merged report."""
     import pytest
 
-    from kvconform.conformance.plugin import SUITE, isolated
+    from kvconform.conformance.campaign import isolated
     from kvconform.conformance.report import RunReport
+    from kvconform.plugin import SUITE
 
     try:
         import xdist  # noqa: F401  (only its presence is checked here; pytest loads it)

@@ -9,8 +9,6 @@ import datetime
 import functools
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -94,9 +92,3 @@ def test_unmeasured_figures_are_cuda_only(tiny_bench: None) -> None:
 def test_bad_selection_is_exit_2(args: list[str], message: str) -> None:
     result = CliRunner().invoke(main, ["bench", *args])
     assert result.exit_code == 2 and message in result.stderr, result.stderr
-
-
-def test_module_entry_point() -> None:
-    """`python -m kvconform.benchmarks` is the same command as `kvconform bench`."""
-    done = subprocess.run([sys.executable, "-m", "kvconform.benchmarks", "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "--mutants" in done.stdout, done.stderr

@@ -10,10 +10,10 @@ from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import runner
-from kvconform.conformance.connector_level import MASKED_FAULTS, ConnectorJudge
 from kvconform.conformance.execution import Call, Execution, Session, replay
+from kvconform.conformance.judging.connector import MASKED_FAULTS, ConnectorJudge
+from kvconform.conformance.judging.offloading import OffloadingJudge
 from kvconform.conformance.mutants import MUTANTS, FinishesEarlyEngine, black_box
-from kvconform.conformance.offloading_level import OffloadingJudge
 from kvconform.reference.engine import Engine
 from kvconform.reference.kv_history import KVHistory
 

@@ -17,9 +17,11 @@ from kvconform.common.values import (
     StepObservation,
     TransferOutcome,
 )
-from kvconform.conformance import disaggregated_level, options, runner, scenarios
-from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.execution import Execution, Session, judged_levels
+from kvconform.conformance import options, runner, scenarios
+from kvconform.conformance.execution import Execution, Session
+from kvconform.conformance.judging import disaggregated
+from kvconform.conformance.judging.judge import ClauseViolation
+from kvconform.conformance.judging.levels import judged_levels
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.conformance.operations import Call
 from kvconform.reference.disaggregated import LEASE_STEPS, ConsumerConnector, ProducerConnector, RankOutput
@@ -195,7 +197,7 @@ def test_a_hold_ended_within_two_steps_of_the_first_step_past_its_lease_is_in_ti
     """PD-LEASE-1: a step called before the lease ended outlasts the lease and its slack; the producer ends the hold
     in the next step, the first to poll it past the lease: no failure. A hold still there past that (the lease that
     never ends) fails."""
-    monkeypatch.setattr(disaggregated_level, "LEASE_SLACK_SECONDS", 0.2)
+    monkeypatch.setattr(disaggregated, "LEASE_SLACK_SECONDS", 0.2)
     monkeypatch.setattr(SlowStepsPair, "pauses", {1: 0.5 * WALL_LEASE, 2: WALL_LEASE + 0.3})
     assert run(SlowStepsPair, unread_hold(8)) is None
     monkeypatch.setattr(WallClockProducer, "step", lambda self: ProducerConnector.step(self))  # the lease never ends
@@ -272,7 +274,7 @@ def test_a_receive_reported_after_the_producer_ended_its_hold_is_in_time(monkeyp
     failed when it trailed by more than one step. A report that never comes within NOTIFY_SECONDS still fails."""
     program = [*hand_over(steps=0)[:5], Call("complete_transfers", (False, False)), *[Call("step")] * 12]
     assert run(TrailingReceivesPair, program) is None
-    monkeypatch.setattr(disaggregated_level, "NOTIFY_SECONDS", 0.05)
+    monkeypatch.setattr(disaggregated, "NOTIFY_SECONDS", 0.05)
     violation = run(TrailingReceivesPair, program)
     assert violation is not None and violation.clause == "PD-HOLD-1", violation
 

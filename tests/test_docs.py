@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconform.conformance.checks import run_time_clauses
+from kvconform.conformance.judging.levels import run_time_clauses
 from kvconform.conformance.report import RunReport
 from kvconform.spec import registry
 

@@ -21,7 +21,7 @@ from kvconform.cli import main
 from kvconform.common.values import EngineConfig, ResourceUsage, StepObservation, StoreSnapshot
 from kvconform.conformance import report, runner
 from kvconform.conformance.calls import RETURNS, AdapterCaller
-from kvconform.conformance.checks import ClauseViolation
+from kvconform.conformance.judging.judge import ClauseViolation
 
 TESTS = Path(__file__).parent
 HANG_TIMEOUT = 2.0

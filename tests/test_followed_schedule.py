@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import EngineConfig, MatchAnswer, RequestSpec, StepObservation
-from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Session, replay
-from kvconform.conformance.offloading_level import schedule_of
+from kvconform.conformance.judging.judge import ClauseViolation
+from kvconform.conformance.judging.offloading import schedule_of
 from kvconform.reference.engine import Engine, OwnPolicy
 
 PROMPT = (2,) * 8 + (3, 1, 0, 0)

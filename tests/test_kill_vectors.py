@@ -19,8 +19,8 @@ import pytest
 from faulty_adapters import FAULTS
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.reference_pd import ReferencePDAdapter
-from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.execution import Call, Session, replay
+from kvconform.conformance.judging.levels import run_time_clauses
 from kvconform.conformance.mutants import MUTANTS
 
 KILL_VECTORS = json.loads(Path(__file__).with_name("kill_vectors.json").read_text())

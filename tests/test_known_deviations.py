@@ -18,8 +18,8 @@ from kvconform.cli import main
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import baseline, options, runner
 from kvconform.conformance.baseline import Baseline, Entry
-from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Call, Session, replay
+from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.reference.connector import OffloadConnectorScheduler
 from kvconform.reference.engine import Engine

@@ -34,8 +34,10 @@ EXEMPT = {"conformance/mutants": "the mutant catalogue: adapters built from the 
 
 
 def package_of(path: Path) -> str:
-    """Return the package a source file belongs to: each top-level folder is installed as `kvconform.<folder>`."""
-    return ".".join(("kvconform", *path.parent.relative_to(ROOT).parts))
+    """Return the package a source file belongs to: each top-level folder is installed as `kvconform.<folder>`, but the
+    shell's, `kvconform/`, which is the package `kvconform` itself."""
+    parts = path.parent.relative_to(ROOT).parts
+    return ".".join(("kvconform", *(parts[1:] if parts[:1] == ("kvconform",) else parts)))
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -108,3 +110,69 @@ def test_the_kit_may_not_import_the_reference_adapter() -> None:
 def test_a_neighbour_of_a_forbidden_package_is_allowed() -> None:
     assert not forbidden(imported_modules("import kvconform.adapters_extra", "kvconform.reference"),
                          FORBIDDEN_IMPORTS["reference"])
+
+
+LIBRARY = ("spec", "common", "reference", "conformance", "adapters", "benchmarks")
+"""The library's folders: everything but the shell, `kvconform/` (the CLI and the pytest plugin)."""
+
+SHELL = tuple(sorted(f"kvconform.{path.stem}" for path in (ROOT / "kvconform").glob("*.py") if path.stem != "__init__"))
+
+
+def module_of(path: Path) -> str:
+    """Return the module a source file installs as."""
+    package = package_of(path)
+    return package if path.name == "__init__.py" else f"{package}.{path.stem}"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Return each module of the project -> the project's modules it imports, anywhere in its code."""
+    paths = {module_of(path): path for folder in (*LIBRARY, "kvconform") for path in (ROOT / folder).rglob("*.py")}
+    return {module: imported_modules(path.read_text(encoding="utf-8"), package_of(path)) & paths.keys() - {module}
+            for module, path in paths.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Return the strongly connected components of more than one module (Tarjan's algorithm): each an import circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    """No import circle anywhere in the package, function-level and TYPE_CHECKING imports included (issue 35)."""
+    assert not circles(import_graph())
+
+
+def test_a_circle_is_found() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_library_never_imports_the_shell() -> None:
+    """Nothing of the library imports `kvconform/`: its CLI and pytest plugin, or the package root (issue 35)."""
+    assert "kvconform.cli" in SHELL and "kvconform.plugin" in SHELL
+    for module, imported in import_graph().items():
+        if module.split(".")[1:2] and module.split(".")[1] in LIBRARY:
+            upward = sorted(m for m in imported if m == "kvconform" or forbidden({m}, SHELL))
+            assert not upward, f"{module} imports the shell: {', '.join(upward)}"

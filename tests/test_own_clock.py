@@ -26,8 +26,8 @@ from kvconform.common.values import (
     TransferOutcome,
 )
 from kvconform.conformance import options, report, runner
-from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.connector_level import (
+from kvconform.conformance.execution import Execution, Session, replay
+from kvconform.conformance.judging.connector import (
     MASKED_FAULTS,
     ConnectorJudge,
     check_answer_range,
@@ -37,7 +37,7 @@ from kvconform.conformance.connector_level import (
     check_resident_bytes,
     check_skip_read_black_box,
 )
-from kvconform.conformance.execution import Execution, Session, replay
+from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.mutants import black_box
 from kvconform.conformance.operations import Call
 
@@ -355,7 +355,7 @@ def test_a_masked_finding_names_where_it_fails_from_the_known_releases(skip_read
                                   match_answers=(answer.model_copy(update={"external_tokens": 0}),))
     check_answer_range(judge, observation)
     check_skip_read_black_box(judge, observation)
-    finding = judge.execution.session.findings["KVC-SKIP-1" if skip_read else "KVC-MATCH-1"]
+    finding = judge.run.session.findings["KVC-SKIP-1" if skip_read else "KVC-MATCH-1"]
     assert f"as a {kind} it fails on {MASKED_FAULTS[kind][1]}" in finding, finding
 
 
@@ -383,7 +383,7 @@ def test_a_connector_that_does_what_its_manifest_says_it_never_does_fails_the_cl
     connector that declared it never does them fails KVC-FAIL-1 or KVC-FREE-1; undeclared, the same step passes."""
     judge = judge_of(RequestSpec(request_id="r", prompt=PROMPT))
     check(judge, observation)
-    judge.execution.capabilities = Capabilities(never=(never,))
+    judge.run.capabilities = Capabilities(never=(never,))
     with pytest.raises(ClauseViolation) as raised:
         check(judge, observation)
     assert raised.value.clause == report.NEVER_RULES_OUT[never][0] and f"never: {never}" in raised.value.detail

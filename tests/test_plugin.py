@@ -21,7 +21,7 @@ MUTANT = "kvconform_test_mutant:make"
 def test_loading_the_plugin_imports_no_hypothesis() -> None:
     """Every pytest session of a project with kvconform installed loads the plugin: loading it imports no Hypothesis
     module, internals least of all; a run imports Hypothesis when it starts."""
-    script = ("import sys, kvconform.conformance.plugin; "
+    script = ("import sys, kvconform.plugin; "
               "print(sorted(m for m in sys.modules if m.split('.')[0] == 'hypothesis'))")
     loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"

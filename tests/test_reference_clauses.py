@@ -18,8 +18,9 @@ from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common import kv_content
 from kvconform.common.values import BlockRef, Capabilities, EngineConfig, RequestSpec, StepObservation
 from kvconform.conformance import runner
-from kvconform.conformance.checks import ClauseViolation, Context
 from kvconform.conformance.execution import Call, Execution, Session
+from kvconform.conformance.judging.judge import ClauseViolation
+from kvconform.conformance.judging.offloading_checks import Context
 from kvconform.conformance.machine import engine_configs
 from kvconform.conformance.profiles import PROFILES, Profile
 from kvconform.reference.connector import (

@@ -15,8 +15,8 @@ from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.cli import main
 from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance import baseline, exercise, runner
-from kvconform.conformance.checks import run_time_clauses
 from kvconform.conformance.execution import Session, replay
+from kvconform.conformance.judging.levels import run_time_clauses
 from kvconform.conformance.mutants import MUTANTS, black_box
 from kvconform.conformance.operations import Call
 from kvconform.conformance.report import RunReport, build

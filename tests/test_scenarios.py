@@ -14,8 +14,8 @@ from kvconform.adapters.reference_pd import ReferencePDAdapter
 from kvconform.cli import main
 from kvconform.common.values import EngineConfig
 from kvconform.conformance import scenarios
-from kvconform.conformance.checks import ClauseViolation
 from kvconform.conformance.execution import Session
+from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.mutants import MUTANTS, black_box
 from kvconform.conformance.scenarios import Scenario
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvconform.conformance.checks import CHECKS, run_time_clauses
+from kvconform.conformance.judging.judge import CHECKS
+from kvconform.conformance.judging.levels import run_time_clauses
 from kvconform.spec.registry import SpecFormatError, chapters, clauses, parse_chapter, spec_version
 
 ROOT = Path(__file__).resolve().parent.parent

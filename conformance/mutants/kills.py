@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-import kvconform
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.common.version import KIT_VERSION
 from kvconform.conformance import runner
 from kvconform.conformance.mutants import MUTANTS
 from kvconform.spec import registry
@@ -75,5 +75,5 @@ def kill_all(names: Iterable[str], profile: str, seed: int | None,
         kills.append(kill(name, profile, seed))
         on_kill(kills[-1])
     reference_failure = None if reference.passed else f"[{reference.failed_clause}] {reference.message}"
-    return KillReport(kvconform_version=kvconform.__version__, spec_version=registry.spec_version(), profile=profile,
+    return KillReport(kvconform_version=KIT_VERSION, spec_version=registry.spec_version(), profile=profile,
                       seed=seed, reference_passed=reference.passed, reference_failure=reference_failure, kills=kills)

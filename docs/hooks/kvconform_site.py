@@ -39,11 +39,13 @@ from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
 from pydantic import BaseModel
 
+from kvconform import plugin
 from kvconform.adapters.registry import resolve
 from kvconform.cli import main as cli_main
 from kvconform.common.values import Capabilities
-from kvconform.conformance import plugin, report, scenarios
-from kvconform.conformance.checks import CHECKS, run_time_clauses
+from kvconform.conformance import report, scenarios
+from kvconform.conformance.judging.judge import CHECKS
+from kvconform.conformance.judging.levels import run_time_clauses
 from kvconform.spec import registry
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -122,13 +122,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "one)")
 
 
-def isolated(folder: Path) -> list[str]:
-    """Return the pytest arguments that run a kit suite from `folder`, away from the configuration and conftest files
-    of the current directory, which are the user's project's."""
-    (folder / "pytest.ini").write_text("[pytest]\n")
-    return ["-c", str(folder / "pytest.ini"), "--rootdir", str(folder), "-p", "no:cacheprovider"]
-
-
 def adapter_spec(config: pytest.Config) -> str | None:
     return config.getoption("kv_adapter") or os.environ.get(ENV_ADAPTER)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.conformance.plugin import RELEASE_ROWS, RELEASES, release_arguments
+from kvconform.plugin import RELEASE_ROWS, RELEASES, release_arguments
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -1,7 +1,9 @@
-"""The checks: each compares one observation of the adapter under test with the reference, or checks
-an absolute rule, and names the clause it enforces (spec chapter `conformance`).
+"""The offloading level's checks: each compares one observation of the adapter under test with the reference engine's,
+or checks an absolute rule, and names the clause it enforces (chapters 01 – 06; `offloading.OffloadingJudge` runs them).
 
-A check raises `ClauseViolation`. Checks run in the order they are registered: absolute rules first,
+Their kinds: `step` (a step), `store` (the store's contents), `data` (a request's GPU bytes), `stored-data` (the bytes
+a completed store made readable), `reset` (the answer to a prefix-cache reset), `drain` (the drained engine).
+Checks of a kind run in the order they are registered: absolute rules first,
 then differential comparisons — the connector's lookups and answers for the requests both engines asked,
 then the schedule and the finishes, then what follows from them (computed tokens, loads, store offers
 and writes, evictions, frees) — so a failure names the clause of its cause rather than of a consequence.
@@ -9,11 +11,9 @@ and writes, evictions, frees) — so a failure names the clause of its cause rat
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -28,76 +28,14 @@ from kvconform.common.values import (
     StoreJob,
     StoreSnapshot,
 )
+from kvconform.conformance.judging.judge import ClauseViolation, check
 from kvconform.reference.engine import FollowedSchedule, StepFacts
 from kvconform.reference.kv_cache import NULL_BLOCK_ID
 from kvconform.reference.request import Request, RequestStatus
 
-Kind = Literal["step", "store", "data", "reset", "drain", "connector", "connector-data", "connector-drain",
-               "stored-data", "disaggregated", "disaggregated-data", "disaggregated-drain"]
-"""What a check judges: a step, the store, the KV bytes or the answer to a prefix-cache reset against the reference,
-or the drained engine (offloading level); a step, the bytes or the drained engine on the adapter's own schedule
-(`connector_level.py`); the bytes of a block a store made readable (offloading level); a pair's step, a consumer's
-loaded bytes or the drained pair (`disaggregated_level.py`)."""
-
 JobName = tuple[bool, str, tuple[int, ...]]
 """A transfer job as observations name it: (is a store, request, offloaded blocks). No two jobs in flight share a
 name: a request has one load at a time, and a store writes only blocks the store does not hold (OFF-MGR-5)."""
-
-
-class ClauseViolation(AssertionError):
-    """The adapter under test broke a clause; `clause` is its ID."""
-
-    def __init__(self, clause: str, message: str, adapter_traceback: str | None = None) -> None:
-        super().__init__(f"[{clause}] {message}")
-        self.clause = clause
-        self.detail = message
-        self.adapter_traceback = adapter_traceback
-        self.program: list | None = None
-        """The program (`execution.Call`s) of the execution it ended: the counterexample; set as it leaves it."""
-        self.calls: list[str] = []
-        """The adapter calls that execution made, which stand for the program when it failed before `start`."""
-
-    @property
-    def executed_program(self) -> list:
-        """Return the program of the execution the violation ended (`program`), which every execution sets."""
-        if self.program is None:
-            raise RuntimeError(f"[{self.clause}] was raised outside an execution: it carries no program")
-        return self.program
-
-
-@dataclass
-class Check:
-    name: str
-    clauses: tuple[str, ...]
-    kind: Kind
-    function: Callable[..., None]
-    doc: str
-
-
-CHECKS: dict[str, Check] = {}
-
-
-def check(*clauses: str, kind: Kind = "step") -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Register a check for `clauses`; its first docstring line says what it verifies."""
-
-    def register(function: Callable[..., None]) -> Callable[..., None]:
-        doc = (function.__doc__ or "").strip().splitlines()[0]
-        CHECKS[function.__name__] = Check(function.__name__, clauses, kind, function, doc)
-        checks_of.cache_clear()
-        return function
-
-    return register
-
-
-@functools.cache
-def checks_of(kind: Kind) -> tuple[Check, ...]:
-    """Return the checks of `kind` in the order registered; looked up once per kind, not once per judged answer."""
-    return tuple(c for c in CHECKS.values() if c.kind == kind)
-
-
-def run_time_clauses() -> set[str]:
-    """Return the clauses judged against an adapter at run time: those a registered check is registered for."""
-    return {clause for each in CHECKS.values() for clause in each.clauses}
 
 
 @dataclass
@@ -106,7 +44,7 @@ class Context:
     added and as the reference engine models them, and the facts of the reference's latest step."""
 
     config: EngineConfig
-    requests: dict[str, RequestSpec]
+    requests: Mapping[str, RequestSpec]
     reference_requests: Mapping[str, Request]
     """The requests as the reference engine stepped alongside models them: their tokens and block hashes."""
     facts: StepFacts = field(default_factory=StepFacts)
@@ -209,7 +147,7 @@ def _by_request(jobs: Iterable) -> dict[str, list[tuple[int, ...]]]:
 # --- absolute rules on the adapter's own observation ------------------------------------------
 
 
-@check("CONF-OBS-2")
+@check("CONF-OBS-2", kind="step")
 def check_block_refs(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every BlockRef the adapter reports names a full offloaded block of a request the harness added."""
     refs = [*sut.evicted, *(evicted for offer in sut.store_offers for evicted in offer.evicted), *sut.touches,
@@ -220,7 +158,7 @@ def check_block_refs(ctx: Context, ref: StepObservation, sut: StepObservation) -
     ctx.identities(refs)
 
 
-@check("PFX-NULL-1")
+@check("PFX-NULL-1", kind="step")
 def check_null_block_unused(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The forward never writes the null block, physical block 0: it is never handed to a request."""
     if sut.forward_writes:
@@ -230,7 +168,7 @@ def check_null_block_unused(ctx: Context, ref: StepObservation, sut: StepObserva
                                             f"block {NULL_BLOCK_ID} among them: it was handed to a request")
 
 
-@check("CONN-MATCH-2", "CONN-MATCH-3")
+@check("CONN-MATCH-2", "CONN-MATCH-3", kind="step")
 def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A 0-token answer is synchronous; local plus external hit never exceeds the request's tokens."""
     for answer in sut.match_answers:
@@ -243,7 +181,7 @@ def check_match_answer_shape(ctx: Context, ref: StepObservation, sut: StepObserv
             raise ClauseViolation("CONN-MATCH-3", f"{answer!r} exceeds the request's {total} tokens")
 
 
-@check("OFF-READ-1", "OFF-READ-2")
+@check("OFF-READ-1", "OFF-READ-2", kind="step")
 def check_skip_read(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A skip-read request is never looked up, reports 0 tokens and gets no load."""
     skipping = {rid for rid, spec in ctx.requests.items() if spec.skip_reading_prefix_cache}
@@ -261,7 +199,7 @@ def check_skip_read(ctx: Context, ref: StepObservation, sut: StepObservation) ->
             raise ClauseViolation("OFF-READ-2", f"skip-read request got a load {load!r}")
 
 
-@check("LIFE-LOAD-1")
+@check("LIFE-LOAD-1", kind="step")
 def check_loads_taken_up(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A waiting request is taken up from its load (its loaded blocks cached) only once the load is reported
     finished: the reference, following the adapter's order, takes up exactly the loads the adapter took up."""
@@ -278,7 +216,7 @@ def check_loads_taken_up(ctx: Context, ref: StepObservation, sut: StepObservatio
                                              "not take them up (promoted)")
 
 
-@check("PFX-HIT-3", "LIFE-LOAD-2")
+@check("PFX-HIT-3", "LIFE-LOAD-2", kind="step")
 def check_last_token_computed(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every scheduled request computes at least one token: neither a local hit nor a finished load covers the last.
 
@@ -295,7 +233,7 @@ def check_last_token_computed(ctx: Context, ref: StepObservation, sut: StepObser
                                           "covered every token, so the last one was never recomputed")
 
 
-@check("CONN-LOAD-2")
+@check("CONN-LOAD-2", kind="step")
 def check_no_redundant_load(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A load never targets GPU blocks the local prefix cache already hit."""
     local = {a.request_id: a.local_hit_tokens for a in sut.match_answers}
@@ -307,7 +245,7 @@ def check_no_redundant_load(ctx: Context, ref: StepObservation, sut: StepObserva
                                   f"{load!r} reloads GPU blocks below the local hit of {hit_blocks} blocks")
 
 
-@check("OFF-KEY-2")
+@check("OFF-KEY-2", kind="step")
 def check_loads_read_own_blocks(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A load reads only blocks the store held readable under the loading request's own identity (tenant included)."""
     if not sut.loads:
@@ -322,7 +260,7 @@ def check_loads_read_own_blocks(ctx: Context, ref: StepObservation, sut: StepObs
                                                "hold for this request's prefix and tenant (cache_salt, LoRA)")
 
 
-@check("XFER-SAFE-1")
+@check("XFER-SAFE-1", kind="step")
 def check_no_overwrite_in_flight(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The forward never writes a GPU block that an in-flight store still reads."""
     if sut.store_reads_in_flight:
@@ -332,7 +270,7 @@ def check_no_overwrite_in_flight(ctx: Context, ref: StepObservation, sut: StepOb
         raise ClauseViolation("XFER-SAFE-1", f"forward wrote GPU blocks {sorted(clash)} while stores still read them")
 
 
-@check("OFF-MGR-7")
+@check("OFF-MGR-7", kind="step")
 def check_kept_keys_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """prepare_store never evicts a block it was offered and already held.
 
@@ -358,7 +296,7 @@ def _judge_kept_keys(ctx: Context, offer: StoreJob, held: set[bytes], evicted: t
                                            f"store already held: evicted {evicted}")
 
 
-@check("OFF-MGR-3")
+@check("OFF-MGR-3", kind="step")
 def check_pinned_not_evicted(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The store never evicts a block a load still reads: one pinned at the end of the previous step, or by a load of
     this step (prepare_store runs after the step's scheduling created its loads, before their completions)."""
@@ -374,7 +312,7 @@ def check_pinned_not_evicted(ctx: Context, ref: StepObservation, sut: StepObserv
                                            f"evicted {evicted}")
 
 
-@check("OFF-STORE-2")
+@check("OFF-STORE-2", kind="step")
 def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every block written to the store was offered for that request in the same step."""
     offered = {(o.request_id, i) for o in sut.store_offers for i in o.offload_indices}
@@ -388,7 +326,7 @@ def check_stores_were_offered(ctx: Context, ref: StepObservation, sut: StepObser
 # --- differential comparisons: the connector's lookups and answers, the schedule, then its consequences
 
 
-@check("SCHED-PREEMPT-1")
+@check("SCHED-PREEMPT-1", kind="step")
 def check_preemption_victims(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The scheduler preempts the most recently admitted running requests: those it preempted are the last ones
     running when the step began."""
@@ -402,7 +340,7 @@ def check_preemption_victims(ctx: Context, ref: StepObservation, sut: StepObserv
                                                  f"requests are {newest} (running in the order {running})")
 
 
-@check("SCHED-ALLOC-1", "SCHED-ADMIT-1")
+@check("SCHED-ALLOC-1", "SCHED-ADMIT-1", kind="step")
 def check_schedule_held(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every request the adapter scheduled or admitted had its blocks in the free pool: the reference, scheduling
     alike, could allocate them; an admission, for the request's full sequence."""
@@ -414,7 +352,7 @@ def check_schedule_held(ctx: Context, ref: StepObservation, sut: StepObservation
         raise ClauseViolation(clause, why)
 
 
-@check("SCHED-ORDER-1")
+@check("SCHED-ORDER-1", kind="step")
 def check_running_first(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Running requests are scheduled before waiting ones, and no waiting request is admitted in a step that
     preempted one."""
@@ -432,7 +370,7 @@ def check_running_first(ctx: Context, ref: StepObservation, sut: StepObservation
         raise ClauseViolation("SCHED-ORDER-1", f"admitted {admitted} in a step that preempted {list(sut.preempted)}")
 
 
-@check("SCHED-ORDER-1")
+@check("SCHED-ORDER-1", kind="step")
 def check_block_holders_first(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A waiting request that holds GPU blocks and whose load has ended comes before every other waiting request:
     the adapter runs it before it considers another, or, if it cannot, considers no other in that step.
@@ -453,7 +391,7 @@ def check_block_holders_first(ctx: Context, ref: StepObservation, sut: StepObser
                                                f"considered {others[0]!r} first (considered {considered})")
 
 
-@check("PFX-HIT-1")
+@check("PFX-HIT-1", kind="step")
 def check_local_hits(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Each request both engines asked was given the reference's local hit: the prefix cache's part of the answer.
 
@@ -466,7 +404,7 @@ def check_local_hits(ctx: Context, ref: StepObservation, sut: StepObservation) -
             _local_hits(sut, asked))
 
 
-@check("CONN-MATCH-4", "OFF-LOOKUP-3", "OFF-LOOKUP-4")
+@check("CONN-MATCH-4", "OFF-LOOKUP-3", "OFF-LOOKUP-4", kind="step")
 def check_deferrals(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A request the reference defers (None) is deferred: while it has transfers in flight (asked without a lookup),
     while a block of its hit is being stored, or while one is being loaded for another request.
@@ -490,7 +428,7 @@ def check_deferrals(ctx: Context, ref: StepObservation, sut: StepObservation) ->
                                           f"later); the adapter answered {actual[request_id][1]} external tokens")
 
 
-@check("OFF-LOOKUP-1", "OFF-LOOKUP-2")
+@check("OFF-LOOKUP-1", "OFF-LOOKUP-2", kind="step")
 def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The store is looked up from the first block past the local hit, in order, up to the first miss."""
     for request_id in sorted((set(ref.lookups) | set(sut.lookups)) & _asked_by_both(ref, sut)):
@@ -503,7 +441,7 @@ def check_lookups(ctx: Context, ref: StepObservation, sut: StepObservation) -> N
         _differ("OFF-LOOKUP-1", f"offloaded blocks looked up for {request_id!r}", expected, actual)
 
 
-@check("CONN-MATCH-1")
+@check("CONN-MATCH-1", kind="step")
 def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """get_num_new_matched_tokens gives the reference's answers (local hit, external tokens, async flag).
 
@@ -516,7 +454,7 @@ def check_match_answers(ctx: Context, ref: StepObservation, sut: StepObservation
             _answers(sut, asked))
 
 
-@check("SCHED-STEP-2")
+@check("SCHED-STEP-2", kind="step")
 def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """A step schedules only unfinished requests and no more tokens than its budget, and asks for matches exactly
     the waiting requests the reference, considering the same ones, asks: those with no computed tokens."""
@@ -533,7 +471,7 @@ def check_schedule(ctx: Context, ref: StepObservation, sut: StepObservation) -> 
             sorted(a.request_id for a in sut.match_answers))
 
 
-@check("LIFE-FIN-1")
+@check("LIFE-FIN-1", kind="step")
 def check_finished(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Requests finish in the step the reference finishes them."""
     if ref.finished:
@@ -541,13 +479,13 @@ def check_finished(ctx: Context, ref: StepObservation, sut: StepObservation) -> 
     _differ("LIFE-FIN-1", "finished requests", sorted(ref.finished), sorted(sut.finished))
 
 
-@check("SCHED-STEP-2")
+@check("SCHED-STEP-2", kind="step")
 def check_computed_tokens(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Each unfinished request ends the step with the reference's computed tokens (after the finishes are known)."""
     _differ("SCHED-STEP-2", "computed tokens after the step", ref.computed_tokens, sut.computed_tokens)
 
 
-@check("OFF-READ-3")
+@check("OFF-READ-3", kind="step")
 def check_skip_read_still_stores(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every block the reference offers to the store for a skip-read request, the adapter offers in the same step.
 
@@ -567,7 +505,7 @@ def check_skip_read_still_stores(ctx: Context, ref: StepObservation, sut: StepOb
                                                 f"{sut_offers.get(request_id, [])})")
 
 
-@check("XFER-LOAD-2")
+@check("XFER-LOAD-2", kind="step")
 def check_loads(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Load jobs cover the reference's offloaded blocks and GPU block range."""
     if ref.loads:
@@ -575,7 +513,7 @@ def check_loads(ctx: Context, ref: StepObservation, sut: StepObservation) -> Non
     _differ("XFER-LOAD-2", "load jobs (offloaded blocks, first GPU block, GPU blocks)", _loads(ref), _loads(sut))
 
 
-@check("OFF-STORE-1")
+@check("OFF-STORE-1", kind="step")
 def check_store_offers(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every newly full, computed offloaded block is offered to the store in the step the reference does."""
     if ref.store_offers:
@@ -597,7 +535,7 @@ def _finished_unscheduled(ctx: Context, sut: StepObservation, request_id: str) -
             and request.status in (RequestStatus.FINISHED, RequestStatus.ABORTED))
 
 
-@check("OFF-LRU-1", "OFF-ARC-1")
+@check("OFF-LRU-1", "OFF-ARC-1", kind="step")
 def check_evictions(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The store evicts the blocks the configured policy (LRU or ARC) picks."""
     clause = "OFF-LRU-1" if ctx.config.eviction_policy == "lru" else "OFF-ARC-1"
@@ -606,7 +544,7 @@ def check_evictions(ctx: Context, ref: StepObservation, sut: StepObservation) ->
     _differ_blocks(ctx, clause, "evicted blocks", ref.evicted, sut.evicted)
 
 
-@check("OFF-STORE-3")
+@check("OFF-STORE-3", kind="step")
 def check_store_writes(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """The store writes exactly the offered blocks it does not already hold."""
     if ref.stores:
@@ -614,7 +552,7 @@ def check_store_writes(ctx: Context, ref: StepObservation, sut: StepObservation)
     _differ("OFF-STORE-3", "blocks written to the store", _by_request(ref.stores), _by_request(sut.stores))
 
 
-@check("LIFE-FREE-1")
+@check("LIFE-FREE-1", kind="step")
 def check_freed(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Finished requests' GPU blocks are released in the step the reference releases them, and not before."""
     if ref.freed:
@@ -701,7 +639,7 @@ def _describe(job: JobName) -> str:
     return f"the {'store' if is_store else 'load'} job of request {request_id!r}, offloaded blocks {list(indices)}"
 
 
-@check("CONN-STEP-4")
+@check("CONN-STEP-4", kind="step")
 def check_jobs_reported_once(ctx: Context, ref: StepObservation, sut: StepObservation) -> None:
     """Every job reported finished is one the adapter created and has not reported finished before.
 
@@ -728,6 +666,3 @@ def check_jobs_all_reported(ctx: Context, usage: ResourceUsage, waited: str) -> 
         raise ClauseViolation("CONN-STEP-4", f"after {waited}, never reported "
                                              f"finished: {unreported}")
 
-
-# The connector level's checks register themselves in CHECKS on import; its module needs this one first.
-from kvconform.conformance import connector_level  # noqa: E402, F401

@@ -9,8 +9,8 @@ from kvconform.conformance import options, scenarios
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.execution import Session
 from kvconform.conformance.machine import scheduling_modes
-from kvconform.conformance.plugin import RUN_REPORT, SCENARIOS, keep_part_report, split_run_options
 from kvconform.conformance.profiles import Shard
+from kvconform.plugin import RUN_REPORT, SCENARIOS, keep_part_report, split_run_options
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -28,8 +28,8 @@ from kvconform.common.values import (
     StepObservation,
     TransferOutcome,
 )
-from kvconform.conformance.checks import ClauseViolation, check
-from kvconform.conformance.connector_level import ConnectorJudge
+from kvconform.conformance.judging.connector import ConnectorJudge
+from kvconform.conformance.judging.judge import ClauseViolation, check
 
 LEASE_SLACK_STEPS = 2
 """Steps past a lease that a hold may take to end: its release is reported by the step that processes it, one step
@@ -82,7 +82,7 @@ class Hold:
     step: int
     """The step its request finished in."""
     called: float
-    """When that step was called (`Execution.step_called`): the earliest its lease can have begun."""
+    """When that step was called (`judge.Run.step_called`): the earliest its lease can have begun."""
     started: float
     """When that step returned (`time.monotonic`): the latest its lease can have begun."""
     block_ids: tuple[int, ...]
@@ -142,7 +142,7 @@ class PairTrace:
 
 @dataclass
 class DisaggregatedJudge(ConnectorJudge):
-    """Judges a producer/consumer pair (`execution.Judge`): the P/D checks, then the connector level's."""
+    """Judges a producer/consumer pair (`judge.Judge`): the P/D checks, then the connector level's."""
 
     pair: PairTrace = field(default_factory=PairTrace)
     producer_id: str | None = None
@@ -197,7 +197,7 @@ class DisaggregatedJudge(ConnectorJudge):
                                                 "reported none")
         if self.producer_id is None:
             self.producer_id = pair.producer.engine_id
-        self.execution.judge("adapter.step()", "disaggregated", self, observation, pair.producer, pair.consumer)
+        self.run.judge("adapter.step()", "disaggregated", self, observation, pair.producer, pair.consumer)
         super().step_observed(observation, completed_in_step)
         self.follow_pair(observation, pair.producer, pair.consumer)
         if completed_in_step is not None:
@@ -207,11 +207,11 @@ class DisaggregatedJudge(ConnectorJudge):
         """Judge a loaded consumer request's bytes against the producer's (PD-DATA-1, PD-TP-1), then at the connector
         level."""
         if request_id in self.pair.loaded:
-            self.execution.judge(f"adapter.computed_kv({request_id!r})", "disaggregated-data", self, request_id, kv)
+            self.run.judge(f"adapter.computed_kv({request_id!r})", "disaggregated-data", self, request_id, kv)
         super().resident_kv(request_id, kv)
 
     def drained(self, usage: ResourceUsage, waited: str) -> None:
-        self.execution.judge("adapter.resource_usage()", "disaggregated-drain", self, usage, waited)
+        self.run.judge("adapter.resource_usage()", "disaggregated-drain", self, usage, waited)
         super().drained(usage, waited)
 
     def busy(self) -> bool:
@@ -234,14 +234,14 @@ class DisaggregatedJudge(ConnectorJudge):
         pair.preempted = (pair.preempted | set(observation.preempted)) - set(observation.scheduled_tokens)
         for request_id, blocks in producer.held.items():
             if request_id not in pair.holds and request_id in producer.params:
-                pair.holds[request_id] = Hold(step, self.execution.step_called, now, tuple(blocks))
+                pair.holds[request_id] = Hold(step, self.run.step_called, now, tuple(blocks))
         waiting = {params["remote_request_id"] for decode, params in pair.decodes.items()
                    if valid_params(params) and decode in self.trace.unfinished and decode not in pair.received}
-        lease = self.execution.capabilities.lease_seconds
+        lease = self.run.capabilities.lease_seconds
         for request_id, held in pair.holds.items():
             if request_id in waiting:
                 held.claimed, held.lease_step = (step, now), None
-            over = lease is not None and self.execution.step_called - held.lease_from()[1] > lease
+            over = lease is not None and self.run.step_called - held.lease_from()[1] > lease
             if over and held.lease_step is None:
                 held.lease_step = step
         for request_id in producer.finished_sending:
@@ -271,19 +271,19 @@ class DisaggregatedJudge(ConnectorJudge):
     def lease_over(self, hold: Hold) -> bool:
         """Return True once a hold's lease may have ended (one step early on the harness's clock: the lease counts the
         step its request finished in; from the call of that step on the connector's)."""
-        return self.elapsed(hold.step, hold.called, self.lease_steps, self.execution.capabilities.lease_seconds)
+        return self.elapsed(hold.step, hold.called, self.lease_steps, self.run.capabilities.lease_seconds)
 
     @property
     def lease_steps(self) -> int | None:
         """The steps a harness-clocked lease runs after the step its request finished in (it counts that step)."""
-        steps = self.execution.capabilities.lease_steps
+        steps = self.run.capabilities.lease_steps
         return None if steps is None else steps - 2
 
     def lease_overdue(self, hold: Hold) -> bool:
         """Return True once a hold must have ended: past its lease by the slack, counted from the step its request
         finished in or the last a consumer request waited to read it; on the connector's clock, from that step's
         return, and more than LEASE_SLACK_STEPS steps after the first step called once the lease was over."""
-        capabilities = self.execution.capabilities
+        capabilities = self.run.capabilities
         step, started = hold.lease_from()
         if capabilities.lease_seconds is None:
             return self.elapsed(step, started, self.lease_steps, None, LEASE_SLACK_STEPS + 2)
@@ -470,7 +470,7 @@ def check_holds(judge: DisaggregatedJudge, observation: StepObservation, produce
                 if any(decode in report.finished_recving and decode not in report.failed_recving
                        for report in consumer.ranks)}
     abandoned = {params.get("remote_request_id") for decode, params in pair.decodes.items() if decode in pair.aborted}
-    notify_seconds = NOTIFY_SECONDS if judge.execution.capabilities.lease_seconds is not None else None
+    notify_seconds = NOTIFY_SECONDS if judge.run.capabilities.lease_seconds is not None else None
     for request_id, (step, ended) in list(pair.released_unread.items()):
         if request_id in pair.reads or request_id in read_now or request_id in abandoned:
             del pair.released_unread[request_id]
@@ -483,7 +483,7 @@ def check_holds(judge: DisaggregatedJudge, observation: StepObservation, produce
 def check_hold_ends(judge: DisaggregatedJudge, observation: StepObservation, producer: EngineStep,
                     consumer: EngineStep) -> None:
     """A hold no consumer read ends with its lease; one every consumer rank read ends on their notifications."""
-    capabilities = judge.execution.capabilities
+    capabilities = judge.run.capabilities
     for request_id, hold in judge.pair.holds.items():
         if request_id in producer.finished_sending:
             read = hold.read_at is not None or any(

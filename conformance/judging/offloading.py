@@ -2,8 +2,8 @@
 
 The judge owns a reference engine, built by the session's `reference` factory, and steps it alongside the adapter as
 the adapter scheduled (`schedule_of`): following the adapter's own schedule, the reference knows what the KV-cache
-manager, the connector and the store must do, and the checks (`checks.py`) compare every step, the store and the
-bytes with it. Where the run lists a known failure, the reference takes the adapter's own choice instead
+manager, the connector and the store must do, and the checks (`offloading_checks.py`) compare every step, the store
+and the bytes with it. Where the run lists a known failure, the reference takes the adapter's own choice instead
 (`deviations_of`), so that the example goes on past it (CONF-RUN-2).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,26 +25,24 @@ from kvconform.common.values import (
     StoreSnapshot,
     TransferOutcome,
 )
-from kvconform.conformance.checks import ClauseViolation, Context, check_drained
+from kvconform.conformance.judging.judge import ClauseViolation, Run
+from kvconform.conformance.judging.offloading_checks import Context, check_drained
 from kvconform.reference.connector import KnownDeviations
 from kvconform.reference.engine import FollowedSchedule
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.observation import Observer
 from kvconform.reference.request import RequestStatus
 
-if TYPE_CHECKING:
-    from kvconform.conformance.execution import Execution
-
 
 class OffloadingJudge:
     """Judges one execution at the offloading level, against the reference engine stepped alongside the adapter."""
 
-    def __init__(self, execution: Execution, config: EngineConfig) -> None:
-        self.execution = execution
+    def __init__(self, run: Run, config: EngineConfig) -> None:
+        self.run = run
         with self.referencing():
-            self.engine = execution.session.reference(config)
+            self.engine = run.reference_engine(config)
             self.observer = Observer(self.engine)
-        self.ctx = Context(config, execution.requests, self.engine.requests, exercised=execution.coverage)
+        self.ctx = Context(config, run.requests, self.engine.requests, exercised=run.coverage)
 
     @contextmanager
     def referencing(self) -> Iterator[None]:
@@ -53,7 +51,7 @@ class OffloadingJudge:
         try:
             yield
         finally:
-            self.execution.session.statistics.reference_seconds += time.perf_counter() - started
+            self.run.timed_reference(time.perf_counter() - started)
 
     # --- the operations, run on the reference before the adapter ---------------------------------------
 
@@ -86,14 +84,14 @@ class OffloadingJudge:
     def step_observed(self, actual: StepObservation, completed_in_step: TransferOutcome | None) -> None:
         """Judge a step: the adapter's observation and store against the reference's, following its schedule; the
         transfers the step was asked to complete complete in the reference's step too (CONN-STEP-4)."""
-        execution, ctx = self.execution, self.ctx
+        run, ctx = self.run, self.ctx
         expected = self.follow(actual, completed_in_step)
-        execution.judge("adapter.step()", "step", ctx, expected, actual)
+        run.judge("adapter.step()", "step", ctx, expected, actual)
         with self.referencing():
             store = self.observer.store_contents()
-        actual_store = execution.call("store_contents")
-        execution.judge("adapter.store_contents()", "store", ctx, store, actual_store)
-        if execution.capabilities.reads_stored_kv:
+        actual_store = run.call("store_contents")
+        run.judge("adapter.store_contents()", "store", ctx, store, actual_store)
+        if run.capabilities.reads_stored_kv:
             self.judge_stored_kv(actual, actual_store)
         ctx.previous_store = store
         ctx.previous_pinned = frozenset(self.engine.manager.pinned_keys())
@@ -101,9 +99,9 @@ class OffloadingJudge:
     def follow(self, actual: StepObservation, completed_in_step: TransferOutcome | None) -> StepObservation:
         """Step the reference as the adapter scheduled, taking the adapter's choices where the run knows it deviates,
         and return what the reference observes; each deviation taken is recorded as its known failure (CONF-RUN-2)."""
-        ctx, baseline = self.ctx, self.execution.session.baseline
+        ctx, run = self.ctx, self.run
         ctx.followed = schedule_of(actual, [request.request_id for request in self.engine.running])
-        deviations = deviations_of(actual, baseline.entries, ctx.identity)
+        deviations = deviations_of(actual, run.known_failures(), ctx.identity)
         with self.referencing():
             outcome = None if completed_in_step is None else (completed_in_step.fail_loads,
                                                               completed_in_step.fail_stores)
@@ -115,9 +113,9 @@ class OffloadingJudge:
             if since is not None and clause in DEVIATIONS_FOLLOWED["victims"]:
                 what += f" (the store differing since {since})"
             violation = ClauseViolation(clause, f"adapter.step(): {what}")
-            if not baseline.tolerates(violation):
+            if not run.tolerates(violation):
                 raise violation
-            self.execution.deviated = True
+            run.followed_deviation()
         return expected
 
     def judge_stored_kv(self, observation: StepObservation, store: StoreSnapshot) -> None:
@@ -128,12 +126,12 @@ class OffloadingJudge:
             for index in job.offload_indices:
                 block = BlockRef(request_id=job.request_id, index=index)
                 if self.ctx.identity(block) in readable:
-                    self.execution.judge(f"adapter.stored_kv({block!r})", "stored-data", self.ctx, block,
-                                         self.execution.call("stored_kv", block))
+                    self.run.judge(f"adapter.stored_kv({block!r})", "stored-data", self.ctx, block,
+                                         self.run.call("stored_kv", block))
 
     def resident_kv(self, request_id: str, kv: torch.Tensor) -> None:
         """Judge a request's GPU bytes against the reference's count of computed tokens (XFER-DATA-1)."""
-        self.execution.judge(f"adapter.computed_kv({request_id!r})", "data", self.ctx, request_id, kv)
+        self.run.judge(f"adapter.computed_kv({request_id!r})", "data", self.ctx, request_id, kv)
 
     def reset_answered(self, reset_connector: bool, answer: bool) -> None:
         """Judge the answer to a prefix-cache reset against the reference's (PFX-RESET-1)."""
@@ -141,16 +139,16 @@ class OffloadingJudge:
             self.ctx.jobs_in_flight.clear()
         with self.referencing():
             expected = self.engine.reset_prefix_cache(reset_connector)
-        self.execution.judge(f"adapter.reset_prefix_cache({reset_connector!r})", "reset", self.ctx, expected, answer)
+        self.run.judge(f"adapter.reset_prefix_cache({reset_connector!r})", "reset", self.ctx, expected, answer)
 
     def drained(self, usage: ResourceUsage, waited: str) -> None:
         """Judge the drained engine: nothing left allocated, pinned or in flight (LIFE-LEAK-1, LIFE-LIVE-1)."""
         with self.referencing():
             expected = self.observer.resource_usage()
         check_drained(self.ctx, expected, waited)  # the reference drains too
-        self.execution.judge("adapter.resource_usage()", "drain", self.ctx, usage, waited)
+        self.run.judge("adapter.resource_usage()", "drain", self.ctx, usage, waited)
 
-    # --- where the requests are, as the reference has them (execution.EngineState) --------------------------
+    # --- where the requests are, as the reference has them (judge.EngineState) --------------------------
 
     def unfinished(self) -> list[str]:
         return sorted(request.request_id for request in (*self.engine.waiting, *self.engine.running))

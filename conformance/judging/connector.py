@@ -9,9 +9,9 @@ computed before in the same tenant, every byte right, every async load reported 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,11 +23,8 @@ from kvconform.common.values import (
     StepObservation,
     TransferOutcome,
 )
-from kvconform.conformance.checks import ClauseViolation, check
+from kvconform.conformance.judging.judge import ClauseViolation, Run, check
 from kvconform.reference.kv_history import KVHistory
-
-if TYPE_CHECKING:
-    from kvconform.conformance.execution import Execution
 
 
 @dataclass
@@ -58,20 +55,20 @@ class ScheduleTrace:
 
 @dataclass
 class ConnectorJudge:
-    """Judges one execution at the connector level, following the adapter's own schedule (`execution.Judge`)."""
+    """Judges one execution at the connector level, following the adapter's own schedule (`judge.Judge`)."""
 
-    execution: Execution
+    run: Run
     config: EngineConfig
     history: KVHistory = field(default_factory=KVHistory)
     trace: ScheduleTrace = field(default_factory=ScheduleTrace)
 
     @property
-    def requests(self) -> dict[str, RequestSpec]:
+    def requests(self) -> Mapping[str, RequestSpec]:
         """The requests the harness added, by id."""
-        return self.execution.requests
+        return self.run.requests
 
     def exercise(self, clause: str) -> None:
-        exercised = self.execution.coverage
+        exercised = self.run.coverage
         exercised[clause] = exercised.get(clause, 0) + 1
 
     # --- the operations, before the adapter runs them ------------------------------------------------------
@@ -130,21 +127,21 @@ class ConnectorJudge:
     def step_observed(self, observation: StepObservation, completed_in_step: TransferOutcome | None) -> None:
         """Judge a step's answers and reports, then follow it; when its transfers completed is the adapter's own
         business at this level."""
-        self.execution.judge("adapter.step()", "connector", self, observation)
+        self.run.judge("adapter.step()", "connector", self, observation)
         self.follow(observation)
 
     def resident_kv(self, request_id: str, kv: torch.Tensor) -> None:
         """Judge a request's GPU bytes against the KV the engine computed for its prefix (KVC-DATA-1)."""
-        self.execution.judge(f"adapter.computed_kv({request_id!r})", "connector-data", self, request_id, kv)
+        self.run.judge(f"adapter.computed_kv({request_id!r})", "connector-data", self, request_id, kv)
 
     def reset_answered(self, reset_connector: bool, answer: bool) -> None:
         """Nothing to judge: whether a prefix-cache reset may be refused is the offloading level's (PFX-RESET-1)."""
 
     def drained(self, usage: ResourceUsage, waited: str) -> None:
         """Judge the drained engine: every load reported, every request finished, nothing held."""
-        self.execution.judge("adapter.resource_usage()", "connector-drain", self, usage, waited)
+        self.run.judge("adapter.resource_usage()", "connector-drain", self, usage, waited)
 
-    # --- where the requests are, as the adapter's own schedule has it (execution.EngineState) ----------------
+    # --- where the requests are, as the adapter's own schedule has it (judge.EngineState) ----------------
 
     def unfinished(self) -> list[str]:
         return sorted(self.trace.unfinished)
@@ -272,9 +269,8 @@ def record_masked(judge: ConnectorJudge, answer: MatchAnswer, fault: ClauseViola
     release masks it; the finding names where it fails, from `MASKED_FAULTS`."""
     kind, (_, fails_on) = next(((kind, row) for kind, row in MASKED_FAULTS.items() if row[0](judge, answer)),
                                ("fault", (None, "releases that take the connector's answer as given")))
-    judge.execution.session.findings.setdefault(fault.clause, f"{fault.detail}; masked by this release's scheduler, "
-                                                              "which replaced the answer before using it; as a "
-                                                              f"{kind} it fails on {fails_on}")
+    judge.run.finding(fault.clause, f"{fault.detail}; masked by this release's scheduler, which replaced the answer "
+                                    f"before using it; as a {kind} it fails on {fails_on}")
 
 
 def judge_answers(judge: ConnectorJudge, observation: StepObservation, clause: str,
@@ -344,7 +340,7 @@ def check_async_loads(judge: ConnectorJudge, observation: StepObservation) -> No
 def check_load_failures(judge: ConnectorJudge, observation: StepObservation) -> None:
     """A failed load is reported only for a request with a load; the tokens it failed to bring are then recomputed."""
     offered = judge.offered_loads(observation)
-    if observation.loads_failed and "fails_load" in judge.execution.capabilities.never:
+    if observation.loads_failed and "fails_load" in judge.run.capabilities.never:
         raise ClauseViolation("KVC-FAIL-1", f"the connector reported failed loads of {list(observation.loads_failed)}, "
                                             "though its manifest declares that it never fails a load (never: "
                                             "fails_load)")
@@ -367,7 +363,7 @@ def check_delayed_frees(judge: ConnectorJudge, observation: StepObservation) -> 
     released, freed = set(observation.saves_finished), set(observation.freed)
     if observation.free_delayed or released:
         judge.exercise("KVC-FREE-1")
-    if observation.free_delayed and "delays_free" in judge.execution.capabilities.never:
+    if observation.free_delayed and "delays_free" in judge.run.capabilities.never:
         raise ClauseViolation("KVC-FREE-1", f"the connector delayed the free of {list(observation.free_delayed)}, "
                                             "though its manifest declares that it never delays a free (never: "
                                             "delays_free)")
