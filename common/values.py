@@ -157,10 +157,6 @@ class EngineStep(_Frozen):
                                                                                "forward wrote in the step")
 
 
-REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_block_ids")
-"""What a consumer's kv_transfer_params must carry, besides `do_remote_prefill`, to load (PD-PARAMS-2)."""
-
-
 class DisaggregatedStep(_Frozen):
     """One step of a disaggregated pair: each engine's connector facts (chapter `disaggregated`)."""
 

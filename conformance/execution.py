@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
+from kvconform.common.forwarding import forwarded_params
 from kvconform.common.values import (
     Capabilities,
     EngineConfig,
@@ -32,7 +33,6 @@ from kvconform.common.values import (
 from kvconform.conformance import exercise
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
-from kvconform.conformance.judging.disaggregated import forwarded_params
 from kvconform.conformance.judging.judge import ClauseViolation, EngineState, Judge, Kind, checks_of
 from kvconform.conformance.judging.levels import judges_for
 from kvconform.conformance.operations import Call

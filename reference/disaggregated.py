@@ -1,5 +1,5 @@
 """An exact, in-process reference pair of P/D connectors: a producer (prefill) and a consumer (decode) engine's
-connectors, no network (the planned chapter `disaggregated`, issue 23).
+connectors, no network (chapter `disaggregated`).
 
 The pair follows vLLM's public P/D contract as NixlConnector 0.34 implements it, on `kv_transfer_params`:
 a producer request carries `do_remote_decode`; when it finishes the producer delays the free of its blocks and
@@ -12,18 +12,25 @@ heads, the columns `heads(r)` of a token's KV row, and reports its own finished 
 finished only once every rank reported it, as vLLM's `KVOutputAggregator` counts (`Aggregator`). The consumer's
 rank r reports its reads r steps after rank 0, as ranks on their own threads do, so that the count matters. Time is the
 producer's steps, so the pair is deterministic: transfers complete when the harness completes them.
+
+Each connector sits in a reference engine's connector seam (`engine.ConnectorScheduler`, `engine.ConnectorWorker`)
+as one side of the pair, scheduler and worker side in one: `ProducerSide` and `ConsumerSide`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
-from kvconform.common.values import REMOTE_FIELDS
+from kvconform.common.forwarding import valid_params
+from kvconform.reference.connector import ConnectorUpdate, KnownDeviations, SchedulerOutput
 from kvconform.reference.errors import InvalidCall
+from kvconform.reference.request import Request, RequestStatus
+from kvconform.reference.transfer import TransferEngine
 
 LEASE_STEPS = 8
 """Producer steps a delayed free waits for the consumer's notification before the lease ends it: short enough that a
@@ -179,18 +186,12 @@ class ConsumerConnector:
         self.rank_outputs: list[RankOutput] = []
         """Each rank's report delivered by the latest `get_finished`, before aggregation."""
 
-    @staticmethod
-    def valid(params: dict[str, Any] | None) -> bool:
-        """Return True if params ask a remote prefill and carry what the load needs (PD-PARAMS-2)."""
-        return bool(params and params.get("do_remote_prefill") and all(name in params for name in REMOTE_FIELDS)
-                    and isinstance(params["remote_block_ids"], list))
-
     def get_num_new_matched_tokens(self, num_prompt_tokens: int, num_local: int, params: dict[str, Any] | None
                                    ) -> tuple[int, bool]:
         """Answer the prompt beyond the local hit as one asynchronous load; malformed or missing params get no load
         and the request computes locally (PD-LOAD-1, PD-PARAMS-2)."""
         count = num_prompt_tokens - num_local
-        return (count, True) if self.valid(params) and count > 0 else (0, False)
+        return (count, True) if valid_params(params) and count > 0 else (0, False)
 
     def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_local_blocks: int,
                                  params: dict[str, Any]) -> None:
@@ -242,3 +243,198 @@ class ConsumerConnector:
     def abort(self, request_id: str) -> None:
         """Drop a planned read that has not started; one in flight still completes and is reported (PD-ABORT-1)."""
         self.pending.pop(request_id, None)
+
+
+# --- each connector in a reference engine's connector seam ------------------------------------------------------
+
+
+@dataclass
+class PairOutput:
+    """What a side's worker reported in one step: the aggregated ids, and each rank's report (PD-TP-1)."""
+
+    done: RankOutput = field(default_factory=RankOutput)
+    ranks: list[RankOutput] = field(default_factory=list)
+
+
+Connector = TypeVar("Connector", "ProducerConnector", "ConsumerConnector")
+
+
+class PairSide(ABC, Generic[Connector]):
+    """One engine's P/D connector in the reference engine's connector seam, scheduler and worker side in one: what
+    both sides do alike. Built before its engine, it is the engine's scheduler side (`scheduler`) and, once the
+    engine hands it its GPU (`attach`), builds its connector there and is its worker side."""
+
+    connector: Connector
+
+    def __init__(self, build: Callable[[torch.Tensor], Connector], block_size: int) -> None:
+        self.build: Callable[[torch.Tensor], Connector] = build
+        self.block_size = block_size
+        self.params: dict[str, dict[str, Any] | None] = {}
+        """Each request's kv_transfer_params, as it was sent."""
+        self.returned: dict[str, dict[str, Any] | None] = {}
+        """Requests that finished in the latest step -> the params request_finished returned."""
+        self.output = PairOutput()
+        """What the worker reported in the latest step."""
+        self.blocks_of: Callable[[str], list[int]] = lambda request_id: []
+        """The engine's block table, set once the engine is built."""
+
+    def scheduler(self, *parts: object) -> PairSide[Connector]:
+        """Return the side as its engine's scheduler side (the engine's `connector` factory)."""
+        return self
+
+    def attach(self, transfer: TransferEngine, defer_stores: bool) -> PairSide[Connector]:
+        """Build the side's connector on the engine's GPU and return the side as its worker (the engine's `worker`
+        factory)."""
+        self.connector = self.build(transfer.gpu)
+        return self
+
+    @abstractmethod
+    def request_finished(self, request: Request) -> bool:
+        """Return True to delay freeing the request's GPU blocks: it is held for, or still being read by, the other
+        engine."""
+
+    @abstractmethod
+    def finished(self) -> RankOutput:
+        """Return the transfers every rank has now reported (PD-TP-1)."""
+
+    def get_finished(self) -> PairOutput:
+        """Return what every rank reported in the step, aggregated and each rank's own (PD-TP-1)."""
+        self.output = PairOutput(self.finished(), list(self.connector.rank_outputs))
+        return self.output
+
+    # --- the scheduler side, alike for both ----------------------------------------------------------------
+
+    @property
+    def jobs(self) -> Collection[object]:
+        """Return the transfers the engine waits for: none, but a consumer's reads."""
+        return ()
+
+    @property
+    def key_origin(self) -> Mapping[bytes, tuple[str, int]]:
+        """Return no key: nothing is offloaded."""
+        return {}
+
+    def on_new_request(self, request: Request) -> None:
+        """Nothing to set up: the params were given with the request."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
+                                   deviations: KnownDeviations) -> tuple[int | None, bool]:
+        """Answer nothing: only a consumer loads (PD-LOAD-1)."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Nothing to plan: only a consumer loads."""
+
+    def build_connector_meta(self, output: SchedulerOutput, deviations: KnownDeviations) -> None:
+        """No metadata: the pair's transfers are started and reported by its connectors."""
+
+    def update_connector_output(self, output: PairOutput) -> ConnectorUpdate:
+        """Translate the worker's report: finished sends release holds (PD-HOLD-1)."""
+        return ConnectorUpdate(released=set(output.done.finished_sending))
+
+    def reset_cache(self) -> None:
+        """Nothing is offloaded: nothing to reset."""
+
+    def offload_keys(self, request: Request) -> list[bytes]:
+        return []
+
+    # --- the worker side, alike for both ---------------------------------------------------------------------
+
+    def start_load_kv(self, meta: object) -> None:
+        """The reads started when the scheduler side built the step's metadata."""
+
+    def store_sources_in_flight(self) -> set[int]:
+        return set()
+
+    def wait_for_save(self, meta: object) -> None:
+        """A producer saves nothing: the consumer reads its blocks."""
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        """Nothing in flight: only a consumer reads."""
+
+
+class ProducerSide(PairSide[ProducerConnector]):
+    """The producer's side: delays a normally finished remote-decode request's free and returns its params."""
+
+    def request_finished(self, request: Request) -> bool:
+        """Delay a normally finished remote-decode request's free and return its params (PD-PARAMS-1, PD-ABORT-1)."""
+        request_id = request.request_id
+        delay, params = self.connector.request_finished(request_id, list(self.blocks_of(request_id)),
+                                                        self.params.get(request_id),
+                                                        request.status is RequestStatus.FINISHED)
+        self.returned[request_id] = params
+        return delay
+
+    def finished(self) -> RankOutput:
+        """Advance the lease clock; return the holds every rank ended (PD-HOLD-1, PD-TP-1)."""
+        return self.connector.step()
+
+
+class ConsumerSide(PairSide[ConsumerConnector]):
+    """The consumer's side: answers a remote prefill as one asynchronous load, which the harness completes, each rank
+    copying its heads."""
+
+    def __init__(self, build: Callable[[torch.Tensor], ConsumerConnector], block_size: int) -> None:
+        super().__init__(build, block_size)
+        self.local_hits: dict[str, int] = {}
+        self.delayed: set[str] = set()
+        """Requests finished while their read was in flight: freed once it is reported (PD-ABORT-1)."""
+
+    @property
+    def jobs(self) -> Collection[object]:
+        """Return the reads planned, in flight or not yet reported by every rank: what the engine waits for."""
+        connector = self.connector
+        return ("reads",) if connector.pending or connector.in_flight or connector.reports_pending() else ()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
+                                   deviations: KnownDeviations) -> tuple[int | None, bool]:
+        """Answer a remote prefill past the local hit; a request without valid params, nothing (PD-LOAD-1,
+        PD-PARAMS-2)."""
+        self.local_hits[request.request_id] = num_computed_tokens
+        return self.connector.get_num_new_matched_tokens(len(request.prompt), num_computed_tokens,
+                                                         self.params.get(request.request_id))
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Plan the read of the remote blocks; the params are spent, as vLLM NIXL clears `do_remote_prefill`."""
+        params = self.params.get(request.request_id)
+        if num_external_tokens and params is not None:
+            num_local_blocks = self.local_hits[request.request_id] // self.block_size
+            self.connector.update_state_after_alloc(request.request_id, list(block_ids), num_local_blocks, params)
+            self.params[request.request_id] = {**params, "do_remote_prefill": False}
+
+    def build_connector_meta(self, output: SchedulerOutput, deviations: KnownDeviations) -> None:
+        """Start the reads planned in this step (the worker's start_load_kv)."""
+        self.connector.start_load_kv()
+
+    def request_finished(self, request: Request) -> bool:
+        """Delay the free of a request whose read is in flight until it is reported (PD-ABORT-1)."""
+        request_id = request.request_id
+        self.returned[request_id] = None
+        self.connector.abort(request_id)
+        if request_id in self.connector.in_flight or self.reading(request_id):
+            self.delayed.add(request_id)
+            return True
+        return False
+
+    def reading(self, request_id: str) -> bool:
+        """Return True while a rank has a read of the request not yet reported."""
+        return any(request_id in output.finished_recving
+                   for output in (*self.connector.completed, *(o for q in self.connector.lagging for o in q)))
+
+    def update_connector_output(self, output: PairOutput) -> ConnectorUpdate:
+        """Finished receives end loads, and free the requests that finished meanwhile (PD-ONCE-1, PD-ABORT-1)."""
+        update = super().update_connector_output(output)
+        for request_id in output.done.finished_recving:
+            update.loads_done[request_id] = request_id not in output.done.failed_recving
+            if request_id in self.delayed:
+                self.delayed.discard(request_id)
+                update.released.add(request_id)
+        return update
+
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
+        """Complete the reads in flight, failed with `fail_loads` (PD-FAIL-1)."""
+        self.connector.complete_transfers(fail_loads)
+
+    def finished(self) -> RankOutput:
+        """Return the receives every rank reported (PD-ONCE-1, PD-TP-1)."""
+        return self.connector.get_finished()

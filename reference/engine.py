@@ -13,9 +13,9 @@ store from those choices, so what they must do is known for any schedule, and re
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -23,7 +23,7 @@ from kvconform.common import kv_content
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.reference.connector import (
     NO_DEVIATIONS,
-    ConnectorOutput,
+    ConnectorUpdate,
     KnownDeviations,
     OffloadConnectorScheduler,
     OffloadConnectorWorker,
@@ -43,7 +43,52 @@ class Batch:
 
     output: SchedulerOutput
     sampled: dict[str, int]
-    connector_output: ConnectorOutput
+    connector_output: Any
+    """What the worker side reported for the step (`ConnectorWorker.get_finished`)."""
+
+
+class ConnectorScheduler(Protocol):
+    """The engine's connector seam, scheduler side: what the engine asks of its connector (chapter `connector`). The
+    offload connector (`connector.OffloadConnectorScheduler`) is one, each side of a P/D pair
+    (`disaggregated.PairSide`) another."""
+
+    @property
+    def jobs(self) -> Collection[object]:
+        """The transfer jobs the engine still waits for (LIFE-LEAK-1)."""
+
+    @property
+    def key_origin(self) -> Mapping[bytes, tuple[str, int]]:
+        """Each offload key -> the request and offloaded block that first named it (`observation.Observer`)."""
+
+    def on_new_request(self, request: Request) -> None: ...
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
+                                   deviations: KnownDeviations) -> tuple[int | None, bool]: ...
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        ...
+
+    def build_connector_meta(self, output: SchedulerOutput, deviations: KnownDeviations) -> Any:
+        """Return the step's metadata, which the worker side gets (`ConnectorWorker.start_load_kv`)."""
+
+    def request_finished(self, request: Request) -> bool:
+        """Return True to delay freeing the request's GPU blocks."""
+
+    def update_connector_output(self, output: Any) -> ConnectorUpdate:
+        """Apply what the worker side reported (`ConnectorWorker.get_finished`)."""
+
+    def reset_cache(self) -> None: ...
+    def offload_keys(self, request: Request) -> list[bytes]: ...
+
+
+class ConnectorWorker(Protocol):
+    """The engine's connector seam, worker side: what the model runner asks of its connector around the forward."""
+
+    def start_load_kv(self, meta: Any) -> None: ...
+    def store_sources_in_flight(self) -> set[int]: ...
+    def wait_for_save(self, meta: Any) -> None: ...
+    def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None: ...
+    def get_finished(self) -> Any: ...
 
 
 @dataclass
@@ -245,13 +290,14 @@ class Engine:
         *,
         kv: Callable[[int, int], KVCacheManager] = KVCacheManager,
         manager: Callable[[int, str, bool], OffloadManager] = OffloadManager,
-        connector: Callable[[OffloadManager, EngineConfig, StepRecorder], OffloadConnectorScheduler] = (
+        connector: Callable[[OffloadManager, EngineConfig, StepRecorder], ConnectorScheduler] = (
             OffloadConnectorScheduler),
-        worker: Callable[[TransferEngine, bool], OffloadConnectorWorker] = OffloadConnectorWorker,
+        worker: Callable[[TransferEngine, bool], ConnectorWorker] = OffloadConnectorWorker,
         policy: Callable[[], SchedulingPolicy] = OwnPolicy,
     ) -> None:
         """Build the engine for `config` from its parts, each made by the factory of its name: the reference's
-        classes, or a part a caller hands in instead (a mutant's)."""
+        classes, or a part a caller hands in instead (a mutant's, a P/D pair's side: `ConnectorScheduler`,
+        `ConnectorWorker`)."""
         self.config = config
         self.kv = kv(config.num_gpu_blocks, config.block_size)
         self.recorder = StepRecorder()

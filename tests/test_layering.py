@@ -14,16 +14,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+NEUTRAL_ADAPTER_MODULES = ("contract.py", "registry.py", "pair.py")
+"""What adapters/ holds besides the adapters: the contract, the registry that names them, the glue of a pair."""
+
 CONCRETE_ADAPTERS = tuple(sorted(
     "kvconform.adapters." + ".".join(path.relative_to(ROOT / "adapters").with_suffix("").parts)
-    for path in (ROOT / "adapters").iterdir() if path.name not in ("__init__.py", "contract.py", "registry.py")
+    for path in (ROOT / "adapters").iterdir() if path.name not in ("__init__.py", *NEUTRAL_ADAPTER_MODULES)
     and (path.suffix == ".py" or path.is_dir()) and not path.name.startswith(("_", "."))))
-"""The adapters themselves: every module under adapters/ but the contract and the registry that names them."""
+"""The adapters themselves: every module under adapters/ but the neutral ones (`NEUTRAL_ADAPTER_MODULES`)."""
 
 FORBIDDEN_IMPORTS = {
     "common": ("kvconform.adapters", "kvconform.conformance", "kvconform.reference"),
     "reference": ("kvconform.adapters", "kvconform.conformance"),
     "adapters/vllm": ("kvconform.reference", "kvconform.conformance"),
+    "adapters/pair.py": ("kvconform.reference", "kvconform.conformance", *CONCRETE_ADAPTERS),
     "conformance": CONCRETE_ADAPTERS,
 }
 """Folder of the tree → the packages no module under it may import, at any depth of its code. The kit judges an
@@ -62,7 +66,7 @@ def forbidden(modules: set[str], packages: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN_IMPORTS))
 def test_layer_imports_nothing_it_must_not(folder: str) -> None:
     packages = FORBIDDEN_IMPORTS[folder]
-    sources = sorted(path for path in (ROOT / folder).rglob("*.py")
+    sources = sorted(path for path in ((ROOT / folder).rglob("*.py") if (ROOT / folder).is_dir() else [ROOT / folder])
                      if not any(path.is_relative_to(ROOT / exempt) for exempt in EXEMPT))
     assert sources, f"{folder}/ has no Python sources"
     for path in sources:
@@ -176,3 +180,15 @@ def test_the_library_never_imports_the_shell() -> None:
         if module.split(".")[1:2] and module.split(".")[1] in LIBRARY:
             upward = sorted(m for m in imported if m == "kvconform" or forbidden({m}, SHELL))
             assert not upward, f"{module} imports the shell: {', '.join(upward)}"
+
+
+@pytest.mark.parametrize("adapter", CONCRETE_ADAPTERS)
+def test_no_adapter_imports_another_adapter(adapter: str) -> None:
+    """An adapter is built on the contract and the neutral modules of adapters/ (a pair's on `adapters/pair.py`), never
+    on another adapter (issue 35)."""
+    folder = ROOT.joinpath("adapters", *adapter.split(".")[2:])
+    sources = sorted(folder.rglob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
+    others = tuple(other for other in CONCRETE_ADAPTERS if other != adapter)
+    for path in sources:
+        found = forbidden(imported_modules(path.read_text(encoding="utf-8"), package_of(path)), others)
+        assert not found, f"{path.relative_to(ROOT)} imports the adapter(s) {', '.join(found)}"

@@ -36,13 +36,13 @@ from typing import Any, cast
 from pydantic import BaseModel
 
 from kvconform.adapters.contract import ImplementationFailure
-from kvconform.adapters.reference_pd import EnginePair, merge
+from kvconform.adapters.pair import EnginePair, merge
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.connector import CONNECTOR, CONNECTOR_CONFIG, CONNECTOR_MANIFEST, VllmConnectorAdapter
 from kvconform.adapters.vllm.engine import TransferSeam
+from kvconform.common.forwarding import missing_fields
 from kvconform.common.values import (
-    REMOTE_FIELDS,
     Capabilities,
     DisaggregatedStep,
     EngineConfig,
@@ -164,9 +164,8 @@ class PDEngine(VllmConnectorAdapter):
 
     def add_request(self, request: RequestSpec, kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Queue `request`, noting params of a remote prefill that lack a field (PD-PARAMS-2)."""
-        params = kv_transfer_params or {}
-        missing = [name for name in REMOTE_FIELDS if name not in params]
-        if params.get("do_remote_prefill") and missing:
+        missing = missing_fields(kv_transfer_params)
+        if missing:
             self.malformed[request.request_id] = missing
         super().add_request(request, kv_transfer_params)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from kvconform.common.forwarding import block_ids, valid_params
 from kvconform.common.values import (
-    REMOTE_FIELDS,
     EngineStep,
     RequestSpec,
     ResourceUsage,
@@ -46,33 +46,6 @@ scheduling."""
 
 NOTIFY_SECONDS = 2.0
 """On the connector's clock, the seconds the notification may also take (PD-NOTIFY-1)."""
-
-
-def forwarded_params(returned: dict[str, Any] | None, override: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Return the params a proxy forwards to the consumer: what the producer returned, each field of `override`
-    replacing it, a None value removing it (a malformed forward, PD-PARAMS-2)."""
-    params = dict(returned or {})
-    for name, value in (override or {}).items():
-        if value is None:
-            params.pop(name, None)
-        else:
-            params[name] = value
-    return params
-
-
-def valid_params(params: Mapping[str, Any] | None) -> bool:
-    """Return True if params ask a remote prefill and carry what the load needs (PD-PARAMS-2)."""
-    return bool(params and params.get("do_remote_prefill") and all(name in params for name in REMOTE_FIELDS))
-
-
-def block_ids(value: Any) -> tuple[int, ...] | None:
-    """Return the block ids params name: a list, or vLLM's one list per KV-cache group (`([1, 2],)`) of one group;
-    None for anything else."""
-    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], (list, tuple)):
-        value = value[0]
-    if isinstance(value, (list, tuple)) and all(isinstance(block, int) for block in value):
-        return tuple(value)
-    return None
 
 
 @dataclass
@@ -197,6 +170,7 @@ class DisaggregatedJudge(ConnectorJudge):
                                                 "reported none")
         if self.producer_id is None:
             self.producer_id = pair.producer.engine_id
+        self.gather_ranks(pair.producer, pair.consumer)
         self.run.judge("adapter.step()", "disaggregated", self, observation, pair.producer, pair.consumer)
         super().step_observed(observation, completed_in_step)
         self.follow_pair(observation, pair.producer, pair.consumer)
@@ -228,9 +202,27 @@ class DisaggregatedJudge(ConnectorJudge):
             return time.monotonic() - since > limit_seconds + slack
         return limit_steps is not None and self.trace.steps + 1 - since_step > limit_steps + slack
 
+    def gather_ranks(self, producer: EngineStep, consumer: EngineStep) -> None:
+        """Count each rank's reports of the step, before the checks judge what the engines saw of them (PD-TP-1)."""
+        for name, engine in (("producer", producer), ("consumer", consumer)):
+            for rank, report in enumerate(engine.ranks):
+                for kind, ids in (("sending", report.finished_sending), ("recving", report.finished_recving)):
+                    for request_id in ids:
+                        self.pair.ranks_seen.setdefault((name, kind, request_id), set()).add(rank)
+                self.pair.rank_failed |= {(name, request_id) for request_id in report.failed_recving}
+
     def follow_pair(self, observation: StepObservation, producer: EngineStep, consumer: EngineStep) -> None:
         """Advance the pair's state past a judged step (the connector level's trace has already moved on)."""
         pair, step, now = self.pair, self.trace.steps, time.monotonic()
+        for request_id in settled_unread_holds(self, consumer):
+            del pair.released_unread[request_id]
+        for name, engine in (("producer", producer), ("consumer", consumer)):
+            for kind, finished in (("sending", engine.finished_sending), ("recving", engine.finished_recving)):
+                for request_id in finished:
+                    pair.ranks_seen.pop((name, kind, request_id), None)
+            pair.rank_failed -= {(name, request_id) for request_id in engine.finished_recving}
+        pair.answered |= {answer.request_id for answer in observation.match_answers
+                          if answer.request_id in pair.decodes and answer.external_tokens is not None}
         pair.preempted = (pair.preempted | set(observation.preempted)) - set(observation.scheduled_tokens)
         for request_id, blocks in producer.held.items():
             if request_id not in pair.holds and request_id in producer.params:
@@ -327,11 +319,6 @@ def check_rank_aggregation(judge: DisaggregatedJudge, observation: StepObservati
             raise _fault("PD-TP-1", f"the {name} reported {len(engine.ranks)} rank outputs for tensor_parallel_size "
                                     f"{size}")
         seen = judge.pair.ranks_seen
-        for rank, report in enumerate(engine.ranks):
-            for kind, ids in (("sending", report.finished_sending), ("recving", report.finished_recving)):
-                for request_id in ids:
-                    seen.setdefault((name, kind, request_id), set()).add(rank)
-            judge.pair.rank_failed |= {(name, request_id) for request_id in report.failed_recving}
         for kind, finished in (("sending", engine.finished_sending), ("recving", engine.finished_recving)):
             complete = {key[2] for key, ranks in seen.items() if key[:2] == (name, kind) and len(ranks) == size}
             if finished or complete:
@@ -345,15 +332,12 @@ def check_rank_aggregation(judge: DisaggregatedJudge, observation: StepObservati
             if missed:
                 raise _fault("PD-TP-1", f"every one of the {name}'s {size} rank(s) reported {missed} finished "
                                         f"{kind}, but the engine did not see them finished")
-            for request_id in finished:
-                del seen[(name, kind, request_id)]
         failed_ranks = {request_id for engine_name, request_id in judge.pair.rank_failed if engine_name == name}
         surfaced = set(engine.finished_recving) & failed_ranks
         lost = sorted(surfaced - set(engine.failed_recving))
         if lost:
             raise _fault("PD-TP-1", f"a rank of the {name} reported the receive of {lost} failed, but the engine saw "
                                     "it finished without the failure")
-        judge.pair.rank_failed -= {(name, request_id) for request_id in engine.finished_recving}
 
 
 @check("PD-ABORT-1", kind="disaggregated")
@@ -401,12 +385,13 @@ def check_consumer_answers(judge: DisaggregatedJudge, observation: StepObservati
                            consumer: EngineStep) -> None:
     """A consumer request with malformed params is answered no external tokens and never waits; one with valid params
     is answered the prompt past its local hit, as one asynchronous load."""
+    answered = set(judge.pair.answered)
     for answer in observation.match_answers:
         params = judge.pair.decodes.get(answer.request_id)
-        if params is None or answer.request_id in judge.pair.answered:
+        if params is None or answer.request_id in answered:
             continue
         if answer.external_tokens is not None:
-            judge.pair.answered.add(answer.request_id)
+            answered.add(answer.request_id)
         got = (answer.external_tokens, answer.load_async)
         if not valid_params(params):
             judge.exercise("PD-PARAMS-2")
@@ -466,17 +451,24 @@ def check_holds(judge: DisaggregatedJudge, observation: StepObservation, produce
     freed = sorted(set(observation.freed) & pair.holds.keys() - set(producer.finished_sending))
     if freed:
         raise _fault("PD-HOLD-1", f"the producer freed the held blocks of {freed} before their hold ended")
+    notify_seconds = NOTIFY_SECONDS if judge.run.capabilities.lease_seconds is not None else None
+    settled = settled_unread_holds(judge, consumer)
+    for request_id, (step, ended) in pair.released_unread.items():
+        if request_id not in settled and judge.elapsed(step, ended, 1, notify_seconds):
+            raise _fault("PD-HOLD-1", f"the producer ended the hold of {request_id!r} in step {step}, neither read by "
+                                      "a consumer, nor given up by an aborted one, nor at the end of its lease")
+
+
+def settled_unread_holds(judge: DisaggregatedJudge, consumer: EngineStep) -> set[str]:
+    """Return the holds ended before any read that a consumer has since read, in this step by some rank or before, or
+    given up by aborting the request that was to read them: their early end was the producer's right (PD-HOLD-1)."""
+    pair = judge.pair
     read_now = {params.get("remote_request_id") for decode, params in pair.decodes.items()
                 if any(decode in report.finished_recving and decode not in report.failed_recving
                        for report in consumer.ranks)}
     abandoned = {params.get("remote_request_id") for decode, params in pair.decodes.items() if decode in pair.aborted}
-    notify_seconds = NOTIFY_SECONDS if judge.run.capabilities.lease_seconds is not None else None
-    for request_id, (step, ended) in list(pair.released_unread.items()):
-        if request_id in pair.reads or request_id in read_now or request_id in abandoned:
-            del pair.released_unread[request_id]
-        elif judge.elapsed(step, ended, 1, notify_seconds):
-            raise _fault("PD-HOLD-1", f"the producer ended the hold of {request_id!r} in step {step}, neither read by "
-                                      "a consumer, nor given up by an aborted one, nor at the end of its lease")
+    return {request_id for request_id in pair.released_unread
+            if request_id in pair.reads or request_id in read_now or request_id in abandoned}
 
 
 @check("PD-LEASE-1", "PD-NOTIFY-1", kind="disaggregated")

@@ -27,7 +27,7 @@ from kvconform.common.values import (
 )
 from kvconform.conformance.judging.judge import ClauseViolation, Run
 from kvconform.conformance.judging.offloading_checks import Context, check_drained
-from kvconform.reference.connector import KnownDeviations
+from kvconform.reference.connector import KnownDeviations, OffloadConnectorScheduler
 from kvconform.reference.engine import FollowedSchedule
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.observation import Observer
@@ -43,6 +43,15 @@ class OffloadingJudge:
             self.engine = run.reference_engine(config)
             self.observer = Observer(self.engine)
         self.ctx = Context(config, run.requests, self.engine.requests, exercised=run.coverage)
+
+    @property
+    def connector(self) -> OffloadConnectorScheduler:
+        """Return the reference engine's offload connector: the one connector the offloading level models."""
+        connector = self.engine.connector
+        if not isinstance(connector, OffloadConnectorScheduler):
+            raise TypeError(f"the offloading level's reference engine has a {type(connector).__name__}, not an offload "
+                            "connector")
+        return connector
 
     @contextmanager
     def referencing(self) -> Iterator[None]:
@@ -108,7 +117,7 @@ class OffloadingJudge:
             result = self.engine.step(outcome, ctx.followed, deviations)
             expected = self.observer.step(result)
         ctx.facts = result.facts
-        since = self.engine.connector.store_differs_since
+        since = self.connector.store_differs_since
         for clause, what in result.trace.adopted:
             if since is not None and clause in DEVIATIONS_FOLLOWED["victims"]:
                 what += f" (the store differing since {since})"
@@ -162,7 +171,7 @@ class OffloadingJudge:
 
     def storing(self) -> list[str]:
         """Return the running requests whose stores are still in flight."""
-        connector = self.engine.connector
+        connector = self.connector
         return [request_id for request_id in self.running() if any(
             connector.jobs[job].is_store for job in connector.states[request_id].transfer_jobs)]
 
@@ -171,7 +180,7 @@ class OffloadingJudge:
 
     def stores_in_flight(self) -> bool:
         """Return True while a store job is in flight, a finished request's included."""
-        return any(job.is_store for job in self.engine.connector.jobs.values())
+        return any(job.is_store for job in self.connector.jobs.values())
 
     def resident(self) -> list[str]:
         """Return the requests whose computed tokens' KV is in their GPU blocks: running, or with a load just done."""

@@ -119,9 +119,11 @@ class AcceptsMalformedParamsConsumer(ConsumerConnector):
     """Answers a remote load to params that ask one and name blocks, whatever else they lack (NixlConnectorScheduler.
     get_num_new_matched_tokens: only params with `do_remote_prefill` and every remote field ask a remote prefill)."""
 
-    @staticmethod
-    def valid(params: dict[str, Any] | None) -> bool:
-        return bool(params and params.get("do_remote_prefill") and isinstance(params.get("remote_block_ids"), list))
+    def get_num_new_matched_tokens(self, num_prompt_tokens: int, num_local: int, params: dict[str, Any] | None
+                                   ) -> tuple[int, bool]:
+        count = num_prompt_tokens - num_local
+        asks = bool(params and params.get("do_remote_prefill") and isinstance(params.get("remote_block_ids"), list))
+        return (count, True) if asks and count > 0 else (0, False)
 
     def complete_transfers(self, fail: bool) -> None:
         for load in self.in_flight.values():  # read what the malformed params lead to: no engine, no request
