@@ -18,6 +18,7 @@ from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
 from kvconform.conformance.examples import DEFAULT_DATABASE
 from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT
 from kvconform.conformance.profiles import PROFILES
+from kvconform.console import make_console
 
 EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -86,7 +87,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                 connector_config: str | None, connector_manifest: str | None, pd_processes: str | None,
                 verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     if vllm_releases is not None:
         given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
@@ -114,7 +115,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                                      scheduling=scheduling, call_timeout=call_timeout, database=database,
                                      drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size,
                                      known_failures=known_failures_path, report=report_path, junit=junit_path)
-        _print_table(_stdout(), run_report, verbose)
+        _print_table(make_console(), run_report, verbose)
     else:
         try:
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -125,7 +126,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
         except KeyboardInterrupt:
             click.echo("kvconform: interrupted; no report written", err=True)
             sys.exit(EXIT_INTERRUPTED)
-        _print_table(_stdout(), run_report, verbose)
+        _print_table(make_console(), run_report, verbose)
         try:
             options.write_reports(run, run_report)
         except options.UsageProblem as problem:
@@ -265,11 +266,6 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print(run_report.adapter_traceback, markup=False, highlight=False)
 
 
-def _stdout() -> Console:
-    """Return the console for results: as wide as the terminal, or wide enough for the tables when piped."""
-    return Console() if sys.stdout.isatty() else Console(width=160)
-
-
 def _usage_error(message: str) -> None:
     click.echo(f"kvconform: error: {message}", err=True)
     sys.exit(EXIT_USAGE)
@@ -310,7 +306,7 @@ def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: fl
                + "".join(f"{name} {value}, " for name, value in given.items() if value is not None)
                + f"call timeout {call_timeout:g}s", err=True)
     session = Session(run.factory, run.call_timeout, baseline=Baseline(list(run.known_entries)))
-    stdout = _stdout()
+    stdout = make_console()
     statuses = [_replay_scenario(stdout, session, adapter_spec, replay) if isinstance(replay, scenarios.Scenario)
                 else _replay_program(stdout, session, adapter_spec, *replay) for replay in replays]
     sys.exit(max(statuses, key=REPLAY_SEVERITY.index))
@@ -408,7 +404,7 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
             options.check_writable(report_path)
         except options.UsageProblem as problem:
             _usage_error(str(problem))
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     console.print(f"kvconform: the reference and {len(names)} mutant(s), profile {profile}, {options.seed_words(seed)}")
     kill_report = kill_all(names, profile, seed, on_kill=lambda kill: console.print(
         f"  {kill.mutant}: {kill.verdict} ({kill.failed_clause or 'no failure'}) in {kill.seconds:.1f}s"))
@@ -420,7 +416,7 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
         found = "" if kill.found_after is None else f"{kill.found_after:.1f}s"
         table.add_row(kill.mutant, kill.vllm_ref, f"[{style[kill.verdict]}]{kill.verdict}[/]", kill.failed_clause or "",
                       found, f"{kill.seconds:.1f}s", str(kill.requests), str(kill.calls))
-    stdout = _stdout()
+    stdout = make_console()
     stdout.print(table)
     killed = sum(kill.verdict == "killed" for kill in kill_report.kills)
     reference = "passed" if kill_report.reference_passed else f"FAILED: {kill_report.reference_failure}"
@@ -458,13 +454,13 @@ def bench_command(only: str | None, json_path: Path, seeds: int, mutants: str | 
         options.check_writable(json_path)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
-    progress = Console(stderr=True)
+    progress = make_console(stderr=True)
     try:
         bench_report = suite.run(benchmarks, settings, lambda line: progress.print(line, highlight=False))
     except KeyboardInterrupt:
         click.echo("kvconform: interrupted; no report written", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    _stdout().print(figures.table(bench_report))
+    make_console().print(figures.table(bench_report))
     try:
         report.write_atomically(json_path, bench_report.model_dump_json(indent=2))
     except OSError as error:

@@ -181,3 +181,72 @@ def test_pytest_tests_cite_their_clause():
 
 def test_spec_version_is_semver():
     assert SEMVER.match(spec_version()), spec_version()
+
+
+def overview_section(heading: str) -> str:
+    """Return the text of one `## heading` section of spec/00-overview.md."""
+    text = (ROOT / "spec" / "00-overview.md").read_text()
+    return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def bullets(text: str) -> list[str]:
+    """Return the `- ` bullets of a markdown list, each with its continuation lines joined."""
+    return [" ".join(item.split()) for item in re.findall(r"^- (.+?(?:\n {2}.+)*)$", text, re.MULTILINE)]
+
+
+def overview_levels() -> dict[str, str]:
+    """Return the overview's level list: level name → its bullet (`- **name** — `chapters`: …`)."""
+    found = {}
+    for bullet in bullets(overview_section("Levels")):
+        match = re.match(r"\*\*(\w+)\*\* — (.+)$", bullet)
+        assert match, f"spec/00-overview.md, Levels: not '**level** — `chapter`, …: what it judges': {bullet}"
+        found[match[1]] = match[2]
+    return found
+
+
+def test_overview_levels_agree_with_the_registry():
+    """The overview lists each level of the registry (`Clause.spec_level`, `SpecLevel`) once, with exactly the
+    chapters its clauses are in, and says a level is model-only exactly when no clause of it is judged at run time."""
+    from typing import get_args
+
+    from kvconform.common.values import SpecLevel
+
+    levels = overview_levels()
+    in_registry = {clause.spec_level for clause in CLAUSES.values()} - {None}
+    assert set(levels) == in_registry == set(get_args(SpecLevel)), (sorted(levels), sorted(in_registry))
+    for level, bullet in levels.items():
+        chapters_of_level = {clause.chapter for clause in CLAUSES.values() if clause.spec_level == level}
+        listed = set(re.findall(r"`(\d\d-[\w-]+\.md)`", bullet.split(":", 1)[0]))
+        assert listed == chapters_of_level, f"{level}: the overview lists {sorted(listed)}, the registry has " \
+                                            f"{sorted(chapters_of_level)}"
+        judged = any(c.model_only is None for c in CLAUSES.values() if c.spec_level == level)
+        assert ("model-only" in bullet) == (not judged), \
+            f"{level}: {'a check judges its clauses at run time' if judged else 'no check judges it'}, yet the " \
+            f"overview says {'it is' if 'model-only' in bullet else 'nothing of'} model-only: {bullet}"
+
+
+def test_overview_scope_agrees_with_the_registry():
+    """Every level whose clauses are judged at run time is covered (a Covered bullet names it first), no Covered
+    bullet names a level the registry lacks, and no Not-covered bullet names a level, by its name or any of the
+    names (in italics) its Levels bullet gives it."""
+    scope = overview_section("Scope")
+    covered_text, not_covered_text = scope.split("\nNot covered (yet):\n", 1)
+    covered = {m[1] for bullet in bullets(covered_text) if (m := re.match(r"the (\w+) level:", bullet))}
+    levels = overview_levels()
+    judged = {c.spec_level for c in CLAUSES.values() if c.spec_level and c.model_only is None}
+    assert judged <= covered <= set(levels), (sorted(judged), sorted(covered))
+    for bullet in bullets(not_covered_text):
+        for level, description in levels.items():
+            for name in (f"{level} level", *re.findall(r"(?<!\*)\*([^*]+)\*(?!\*)", description)):
+                assert name.lower() not in bullet.lower(), \
+                    f"spec/00-overview.md lists {name!r} (the {level} level) as not covered: {bullet}"
+
+
+def test_overview_lists_every_chapter_and_its_clause_ids():
+    """The overview's chapter list names every chapter, in order, with the ID prefixes of all its clauses."""
+    listed = re.findall(r"^\d+\. `(\d\d-[\w-]+\.md)` — (.+?):", overview_section("Chapters"), re.MULTILINE)
+    assert [name for name, _ in listed] == [name for name in chapters() if name != "00-overview.md"]
+    for name, prefixes in listed:
+        starts = tuple(prefix.removesuffix("*") for prefix in re.findall(r"[A-Z]+(?:-[A-Z]+)*-\*", prefixes))
+        unlisted = sorted(c.id for c in CLAUSES.values() if c.chapter == name and not c.id.startswith(starts))
+        assert not unlisted, f"spec/00-overview.md, Chapters: {name} lists {prefixes}, not {unlisted}"
