@@ -1,8 +1,8 @@
 """The conformance state machine: draws programs of engine operations (chapter `conformance`).
 
 Rules are named after the adapter operation they perform. Each rule draws its arguments and hands the
-calls to an `Execution`, which runs them on the adapter and the reference and judges every answer; the
-calls run so far are the example's program, which the shrinker edits when it fails.
+calls to an `Execution`, which runs them on the adapter and has the judge of each level it is judged at judge every
+answer; the calls run so far are the example's program, which the shrinker edits when it fails.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ class RunReport(BaseModel):
                                                           "clock to go idle (--drain-timeout); None where the harness "
                                                           "completes the adapter's transfers")
     levels: list[SpecLevel] = Field(description="the spec levels the run judged: the connector level on the adapter's "
-                                                "own schedule, the offloading level against the reference engine")
+                                                "own schedule, the offloading level against the reference engine, "
+                                                "or the disaggregated level alone for a producer/consumer pair")
     certified_levels: list[SpecLevel] = Field(description="the judged levels at which every run-time MUST clause "
                                                           "passed, with no failure and no known failure (CONF-CERT-1)")
     passed: bool = Field(description="no failure: no clause broken beyond the known failures, none stale, no hang")

@@ -1,7 +1,7 @@
 """Scenarios: fixed programs with what the spec requires of them (chapter `conformance`, issue 14).
 
-A scenario is JSON: `config` (EngineConfig fields: its `start`), `level` (the spec level it needs, "connector" or
-"offloading"), an optional `clause` it illustrates, `ops` and `order`. Each op is an operation of
+A scenario is JSON: `config` (EngineConfig fields: its `start`), `level` (the spec level it needs, "connector",
+"offloading" or "disaggregated"), an optional `clause` it illustrates, `ops` and `order`. Each op is an operation of
 `operations.OPERATIONS` written as programs write calls, `{"op": name, "args": {...}}`; a `step` may carry
 `expect`, a subset of `StepObservation` fields that must match exactly, and `clauses`, the clause each expected field
 enforces (the scenario's `clause` if left out). A prompt may name another request's tokens (`{"tokens_of": R}`: R's
