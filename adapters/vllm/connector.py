@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvconform.adapters.registry import AdapterNotFound, on_path_from_current_directory
-from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
+from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, ranks_in_processes
 from kvconform.adapters.vllm.lmcache import LMCacheSeam
 from kvconform.adapters.vllm.offloading import OffloadingSeam
 from kvconform.adapters.vllm.simple_cpu import SimpleCPUSeam
@@ -75,6 +75,9 @@ class VllmConnectorAdapter(VllmAdapter):
         self._check_connector()
         if self.module_path is None and self.connector_name in SEAMS:
             self.seam = SEAMS[self.connector_name](self)
+        sizes = self.capabilities().tensor_parallel_sizes
+        if self.rank_processes and max(sizes) > 1 and ranks_in_processes():
+            self.start_rank_servers(max(sizes))  # here, not in start: each imports vLLM, outside any call's deadline
         self.storage = tempfile.TemporaryDirectory(prefix="kvconform-connector-")
 
     def _check_connector(self) -> None:
@@ -135,8 +138,11 @@ class VllmConnectorAdapter(VllmAdapter):
         return len(self.transfers.held)
 
     def close(self) -> None:
-        self.seam.close()
-        self.storage.cleanup()
+        try:
+            self.close_ranks()
+        finally:
+            self.seam.close()
+            self.storage.cleanup()
 
 
 def _find_module(module: str) -> None:

@@ -17,8 +17,10 @@ import contextlib
 import copy
 import functools
 import inspect
+import os
 import pickle
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +28,9 @@ from typing import Any
 import torch
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
-from kvconform.adapters.vllm import runtime
-from kvconform.adapters.vllm.transfers import RankedKV, RankedTransfers
+from kvconform.adapters.registry import AdapterNotFound
+from kvconform.adapters.vllm import processes, runtime
+from kvconform.adapters.vllm.transfers import KVTensors, RankedKV, RankedTransfers
 from kvconform.common import kv_content
 from kvconform.common.values import (
     EngineConfig,
@@ -40,6 +43,22 @@ from kvconform.common.values import (
 )
 
 KV_LAYER = "model.layers.0.self_attn.attn"
+
+RANKS = "KVCONFORM_RANKS"
+"""Where the worker-side connectors of an engine with more than one tensor-parallel rank run: "processes" (the
+default), each rank's in a process of its own (`RankWorker`), as vLLM's multiprocess executor runs them, the scheduler
+side in this one; or "in-process", every rank's in this process, faster, and right only for a connector that keeps no
+state per process (`--ranks in-process`)."""
+
+RANK_MODES = ("processes", "in-process")
+
+
+def ranks_in_processes() -> bool:
+    """Return whether the ranks run in processes of their own (`RANKS`)."""
+    mode = os.environ.get(RANKS) or "processes"
+    if mode not in RANK_MODES:
+        raise AdapterNotFound(f"{RANKS} must be one of {', '.join(RANK_MODES)}, not {mode!r}")
+    return mode == "processes"
 
 FINISH_HOOKS = ("request_finished", "request_finished_all_groups")
 """The connector's finish hooks, one of which the scheduler calls per finished request: `request_finished_all_groups`
@@ -291,6 +310,8 @@ class VllmAdapter(KVConnectorAdapter):
         self._config: EngineConfig | None = None
         self.scheduler: Any = None
         self.worker: Any = None
+        self.remote_ranks = False
+        """Whether this engine's ranks run in processes of their own (`RANKS`)."""
         self.rank: int | None = None
         """The rank whose worker runs now (`at_rank`), or None between them."""
 
@@ -425,7 +446,11 @@ class VllmAdapter(KVConnectorAdapter):
             structured_output_manager=self.rt.structured.StructuredOutputManager(self.vllm_config),
             block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
         )
-        self.ranks = [self._build_rank(rank) for rank in range(ranks)]
+        self.remote_ranks = ranks > 1 and self.rank_processes and ranks_in_processes()
+        self.ranks: list[Any] = (self._rank_processes(ranks) if self.remote_ranks else  # Rank or RankProcess
+                                 [self._build_rank(r) for r in range(ranks)])
+        if self.remote_ranks:
+            self.kv.ranks = list(self.ranks)  # the judge's bytes: each rank's heads, read from its process
         self.worker = self.ranks[0].worker
         self.aggregator = self.output_aggregator() if ranks > 1 else None
         self.scheduler.finished_req_ids = FinishOrder()
@@ -440,6 +465,37 @@ class VllmAdapter(KVConnectorAdapter):
         wrap(self.scheduler.kv_cache_manager, "reset_prefix_cache",
              lambda result: setattr(self, "gpu_cache_reset", result))
         self.attach()
+
+    @property
+    def rank_processes(self) -> bool:
+        """Whether the adapter runs its ranks in processes of their own (`RANKS`): where its seam lends the worker
+        nothing. A seam that holds the transfers for the harness (the white-box adapters') keeps the ranks here."""
+        return type(self.seam) is TransferSeam
+
+    def start_rank_servers(self, ranks: int) -> list[processes.Server]:
+        """Return the servers of ranks 0 .. `ranks - 1`, started at once (each imports vLLM) and ready."""
+        servers = [processes.server(f"rank-{index}", f"the process of rank {index}",
+                                    "kvconform.adapters.vllm.engine:RankWorker") for index in range(ranks)]
+        for server in servers:
+            server.wait_ready()
+        return servers
+
+    def _rank_processes(self, ranks: int) -> list[RankProcess]:
+        """Build each rank's worker-side connector in its rank's process, with the rank's config and KV tensor."""
+        servers = self.start_rank_servers(ranks)
+        for index, server in enumerate(servers):
+            rows = self.store_slots(self.config) * self.config.block_size_factor
+            server.send("open", index, ranks, self.config, rows,
+                        rank_config(self.vllm_config, index), self.kv_cache_config, list(sys.path))
+        for server in servers:
+            server.answer("open")
+        return [RankProcess(index, server) for index, server in enumerate(servers)]
+
+    def close_ranks(self) -> None:
+        """Shut the rank processes' connectors down; the processes stay for the next engine."""
+        for rank in getattr(self, "ranks", []) if getattr(self, "remote_ranks", False) else []:
+            if rank.server.alive:
+                rank.server.call("close")
 
     def _build_rank(self, index: int) -> Rank:
         """Build rank `index`'s worker-side connector as vLLM's worker process does, under its config and parallel
@@ -548,19 +604,23 @@ class VllmAdapter(KVConnectorAdapter):
         self.transfers.begin_step()
         self.observe_metadata(scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            outputs = [self._on_rank(rank, lambda r, given: r.runner.no_forward(given), scheduler_output)
-                       for rank in self.ranks]
+            outputs = (self._on_rank_processes("no_forward", scheduler_output) if self.remote_ranks else
+                       [self._on_rank(rank, lambda r, given: r.runner.no_forward(given), scheduler_output)
+                        for rank in self.ranks])
             reports = [self._rank_report(getattr(output, "kv_connector_output", None)) for output in outputs]
             return Batch(scheduler_output, self._aggregate(outputs), {}, reports)
-        runner_tokens = self._runner_tokens(scheduler_output)
-        sampled: dict[str, int] = {}
-
-        def forward() -> None:
+        writes, sampled = self._forward(scheduler_output, self._runner_tokens(scheduler_output))
+        if self.remote_ranks:
             self.trace.store_reads_in_flight |= self.transfers.store_reads()
-            sampled.update(self._forward(scheduler_output, runner_tokens))
+            connector_outputs = self._on_rank_processes("around_forward", scheduler_output, writes)
+        else:
+            def forward() -> None:
+                self.trace.store_reads_in_flight |= self.transfers.store_reads()
+                for write in writes:
+                    self.kv_tensors.write(*write)
 
-        connector_outputs = [self._on_rank(rank, lambda r, given: r.runner.around_forward(given, forward),
-                                           scheduler_output) for rank in self.ranks]
+            connector_outputs = [self._on_rank(rank, lambda r, given: r.runner.around_forward(given, forward),
+                                               scheduler_output) for rank in self.ranks]
         req_ids = list(scheduler_output.num_scheduled_tokens)
         runner_outputs = [runtime.dataclass_kwargs(
             self.rt.outputs.ModelRunnerOutput, req_ids=req_ids,
@@ -580,6 +640,13 @@ class VllmAdapter(KVConnectorAdapter):
         with self.at_rank(rank.index):
             rank.runner.install()
             return call(rank, given)
+
+    def _on_rank_processes(self, method: str, *args: Any) -> list[Any]:
+        """Return each rank process's answer to `method(*args)`, called on every rank at once, as `MultiprocExecutor`
+        broadcasts a step to its workers; each gets its own pickled copy of the arguments."""
+        for rank in self.ranks:
+            rank.server.send(method, *args)
+        return [rank.server.answer(method) for rank in self.ranks]
 
     def _aggregate(self, outputs: list[Any]) -> Any:
         """Return the runner output the scheduler gets: one worker's as it is (vLLM's `UniProcExecutor`), or rank 0's
@@ -602,9 +669,10 @@ class VllmAdapter(KVConnectorAdapter):
             tokens[request_id] = list(request.all_token_ids) + pending.get(request_id, [])
         return tokens
 
-    def _forward(self, scheduler_output: Any, runner_tokens: dict[str, list[int]]) -> dict[str, int]:
-        """Write every scheduled token's KV into its GPU block and sample at each sequence end (XFER-DATA-1/2)."""
-        sampled = {}
+    def _forward(self, scheduler_output: Any, runner_tokens: dict[str, list[int]]) -> tuple[list[Any], dict[str, int]]:
+        """Return the forward's writes, every scheduled token's KV rows for its GPU blocks (`KVTensors.write`'s
+        arguments: each rank writes its heads' columns), and the token sampled at each sequence end (XFER-DATA-1/2)."""
+        sampled, writes = {}, []
         block_size = self.config.block_size
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
@@ -613,12 +681,12 @@ class VllmAdapter(KVConnectorAdapter):
             start = end - num_new
             blocks = self.block_ids(request_id)
             states = self._token_states(request_id, tokens[:end])
-            self.kv_tensors.write(blocks, start, kv_content.kv_values(
-                states[start:end], self.config.token_width, self.kv.dtype))
+            writes.append((blocks, start, kv_content.kv_values(states[start:end], self.config.token_width,
+                                                               self.kv.dtype)))
             self.trace.forward_writes.update(blocks[start // block_size : -(-end // block_size)])
             if end == len(tokens):
                 sampled[request_id] = kv_content.next_token(states[end - 1])
-        return sampled
+        return writes, sampled
 
     def _token_states(self, request_id: str, tokens: list[int]) -> list[int]:
         spec = self.specs[request_id]
@@ -759,6 +827,66 @@ class VllmAdapter(KVConnectorAdapter):
     @abc.abstractmethod
     def jobs_in_flight(self) -> int:
         """Return the transfer jobs the connector still waits for."""
+
+
+@dataclass
+class RankProcess:
+    """One tensor-parallel rank whose worker-side connector runs in a process of its own (`RankWorker`): the judge
+    reads its heads' KV bytes from there."""
+
+    index: int
+    server: processes.Server
+    worker: Any = None
+
+    def read(self, gpu_blocks: list[int], num_tokens: int) -> torch.Tensor:
+        return self.server.call("read", list(gpu_blocks), num_tokens)
+
+    def read_store(self, first_row: int, num_rows: int) -> torch.Tensor:
+        return self.server.call("read_store", first_row, num_rows)
+
+
+class RankWorker:
+    """A rank process's worker: its worker-side connector, built as vLLM's worker process builds it, with the rank's
+    KV tensor (its heads) registered and the model-runner glue that calls it; vLLM's tensor-parallel getters answer
+    its rank (`runtime.tensor_parallel_rank`), as in the adapter's process."""
+
+    def __init__(self, index: int, ranks: int, config: EngineConfig, store_rows: int, vllm_config: Any,
+                 kv_cache_config: Any, path: list[str]) -> None:
+        sys.path[:0] = [entry for entry in path if entry not in sys.path]  # the connector's module, as found there
+        self.rt = runtime.load()
+        self.index, self.ranks = index, ranks
+        self.kv = KVTensors(config, store_rows, index, ranks)
+        with runtime.tensor_parallel_rank(index, ranks), self.rt.config.set_current_vllm_config(vllm_config):
+            self.worker = self.rt.factory.KVConnectorFactory.create_connector(
+                config=vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER, kv_cache_config=kv_cache_config)
+            self.runner = runner_glue(self.rt, vllm_config, self.worker, {KV_LAYER: self.kv.gpu})
+
+    def no_forward(self, scheduler_output: Any) -> Any:
+        with runtime.tensor_parallel_rank(self.index, self.ranks):
+            self.runner.install()
+            return self.runner.no_forward(scheduler_output)
+
+    def around_forward(self, scheduler_output: Any, writes: list[Any]) -> Any:
+        def forward() -> None:
+            for write in writes:
+                self.kv.write(*write)
+
+        with runtime.tensor_parallel_rank(self.index, self.ranks):
+            self.runner.install()
+            return self.runner.around_forward(scheduler_output, forward)
+
+    def read(self, gpu_blocks: list[int], num_tokens: int) -> torch.Tensor:
+        return self.kv.read(gpu_blocks, num_tokens)
+
+    def read_store(self, first_row: int, num_rows: int) -> torch.Tensor:
+        return self.kv.read_store(first_row, num_rows)
+
+    def close(self) -> None:
+        """Stop the connector's threads, as vLLM's worker does at shutdown."""
+        if self.worker is not None:
+            with runtime.tensor_parallel_rank(self.index, self.ranks):
+                self.worker, worker = None, self.worker
+                worker.shutdown()
 
 
 def rank_config(vllm_config: Any, rank: int) -> Any:
