@@ -4,8 +4,9 @@ The connector is named by `KVCONFORM_CONNECTOR` — a name vLLM's `KVConnectorFa
 `OffloadingConnector`, …) or `module:Class`, the module found from the current directory too and refused before
 vLLM is imported when it is nowhere — with its `kv_connector_extra_config` as JSON in
 `KVCONFORM_CONNECTOR_CONFIG`; `kvconform run --connector … --connector-config …` and the pytest plugin's
-`--kv-connector …` set them. Both roles run in this process around a real vLLM scheduler (`engine.VllmAdapter`),
-and the model runner glue calls the connector as vLLM's attention layers do, layer by layer. What the connector
+`--kv-connector …` set them. Both roles run around a real vLLM scheduler (`engine.VllmAdapter`), in this process
+at one rank; past one, each rank's worker side runs in a process of its own (`engine.RANKS`, `--ranks`), and the model
+runner glue calls the connector as vLLM's attention layers do, layer by layer. What the connector
 claims (`KVCONFORM_CONNECTOR_MANIFEST`, a JSON object of `Capabilities` fields) defaults to what any connector
 inside vLLM can be asked: async scheduling, aborts, no failure injection, no connector reset, no preemption from
 outside. Only the connector level's observations are reported: the connector is a black box, on its own clock:
