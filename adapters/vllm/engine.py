@@ -487,8 +487,14 @@ class VllmAdapter(KVConnectorAdapter):
             rows = self.store_slots(self.config) * self.config.block_size_factor
             server.send("open", index, ranks, self.config, rows,
                         rank_config(self.vllm_config, index), self.kv_cache_config, list(sys.path))
+        errors = []
         for server in servers:
-            server.answer("open")
+            try:
+                server.answer("open")
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
         return [RankProcess(index, server) for index, server in enumerate(servers)]
 
     def close_ranks(self) -> None:
@@ -646,7 +652,15 @@ class VllmAdapter(KVConnectorAdapter):
         broadcasts a step to its workers; each gets its own pickled copy of the arguments."""
         for rank in self.ranks:
             rank.server.send(method, *args)
-        return [rank.server.answer(method) for rank in self.ranks]
+        answers, errors = [], []
+        for rank in self.ranks:  # every answer read, so that none is left for the next call to find
+            try:
+                answers.append(rank.server.answer(method))
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+        return answers
 
     def _aggregate(self, outputs: list[Any]) -> Any:
         """Return the runner output the scheduler gets: one worker's as it is (vLLM's `UniProcExecutor`), or rank 0's
