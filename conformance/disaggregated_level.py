@@ -48,18 +48,6 @@ NOTIFY_SECONDS = 2.0
 """On the connector's clock, the seconds the notification may also take (PD-NOTIFY-1)."""
 
 
-def forwarded_params(returned: dict[str, Any] | None, override: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Return the params a proxy forwards to the consumer: what the producer returned, each field of `override`
-    replacing it, a None value removing it (a malformed forward, PD-PARAMS-2)."""
-    params = dict(returned or {})
-    for name, value in (override or {}).items():
-        if value is None:
-            params.pop(name, None)
-        else:
-            params[name] = value
-    return params
-
-
 def valid_params(params: Mapping[str, Any] | None) -> bool:
     """Return True if params ask a remote prefill and carry what the load needs (PD-PARAMS-2)."""
     return bool(params and params.get("do_remote_prefill") and all(name in params for name in REMOTE_FIELDS))

@@ -23,6 +23,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
+from kvconform.common.forwarding import forwarded_params
 from kvconform.common.values import (
     Capabilities,
     EngineConfig,
@@ -37,7 +38,7 @@ from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.checks import ClauseViolation, Kind, checks_of
 from kvconform.conformance.connector_level import ConnectorJudge
-from kvconform.conformance.disaggregated_level import DisaggregatedJudge, forwarded_params
+from kvconform.conformance.disaggregated_level import DisaggregatedJudge
 from kvconform.conformance.offloading_level import OffloadingJudge
 from kvconform.conformance.operations import Call
 from kvconform.reference.engine import Engine
@@ -328,7 +329,8 @@ class Execution:
         self.call("prefill", spec)
 
     def _decode(self, spec: RequestSpec, prefill_id: str, override: dict[str, Any] | None = None) -> None:
-        """Forward what request `prefill_id` returned, `override`'s fields in place, to the consumer (PD-PARAMS-2)."""
+        """Have the adapter forward what request `prefill_id` returned, `override`'s fields in place, to the consumer;
+        the judges are told the params it sends, computed alike from what the pair's steps reported (PD-PARAMS-2)."""
         if prefill_id not in self.requests:
             raise InvalidCall("PD-PARAMS-2", f"decode({spec.request_id!r}) forwards the params of {prefill_id!r}, "
                                              "which no prefill sent to the producer")
@@ -336,7 +338,7 @@ class Execution:
         self.requests[spec.request_id] = spec
         for judge in self.judges:
             judge.decode(spec, params)
-        self.call("decode", spec, params, prefill_id)
+        self.call("decode", spec, prefill_id, *([] if override is None else [override]))
 
     def _step(self, complete_transfers: TransferOutcome | None = None) -> None:
         self.step_called = time.monotonic()

@@ -9,6 +9,7 @@ import pytest
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.reference_pd import ReferencePDAdapter
+from kvconform.common.forwarding import forwarded_params
 from kvconform.common.values import (
     Capabilities,
     EngineConfig,
@@ -286,9 +287,9 @@ class AbortNotifyingPair(ReferencePDAdapter):
         super().__init__()
         self.forwarded: dict[str, dict] = {}
 
-    def decode(self, request: RequestSpec, kv_transfer_params: dict, prefill_id: str) -> None:
-        self.forwarded[request.request_id] = kv_transfer_params
-        super().decode(request, kv_transfer_params, prefill_id)
+    def decode(self, request: RequestSpec, prefill_id: str, params: dict | None = None) -> None:
+        self.forwarded[request.request_id] = forwarded_params(self.returned.get(prefill_id), params)
+        super().decode(request, prefill_id, params)
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
