@@ -117,6 +117,9 @@ A pair of engines (the disaggregated level) adds two: `prefill(request)` sends a
 malformed forward, PD-PARAMS-2); `add_request` then goes to the consumer without params. Every other operation is
 the pair's: `step` steps both engines (`KVConnectorAdapter`)."""
 
+CREATES_REQUEST = frozenset({"add_request", "prefill", "decode"})
+"""The operations that send a new request (their first argument) to the engine or the pair."""
+
 PARAMETERS = {name: tuple(parameter.name for parameter in operation.parameters)
               for name, operation in OPERATIONS.items()}
 """The names of each operation's parameters."""
@@ -137,6 +140,11 @@ class Call:
         if self.operation == "drain":
             return "drain()  # complete transfers and step until the reference is idle, then check for leaks"
         return f"adapter.{self.operation}({', '.join(map(repr, self.args))})"
+
+    @property
+    def creates(self) -> str | None:
+        """Return the id of the request this call creates (`add_request`, `prefill`, `decode`), or None."""
+        return self.args[0].request_id if self.operation in CREATES_REQUEST else None
 
     def unsupported(self, capabilities: Capabilities) -> str | None:
         """Return why an adapter of `capabilities` cannot run this call, or None if it can (CONF-CAP-1)."""
@@ -180,3 +188,8 @@ def _one_line(error: Exception) -> str:
 def render(program: list[Call]) -> str:
     """Return a program as the Python calls it makes, one per line."""
     return "\n".join(map(str, program))
+
+
+def requests_created(program: list[Call]) -> int:
+    """Return how many requests a program creates: its `add_request`, `prefill` and `decode` calls."""
+    return sum(call.creates is not None for call in program)
