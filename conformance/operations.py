@@ -138,7 +138,7 @@ class Call:
 
     def __str__(self) -> str:
         if self.operation == "drain":
-            return "drain()  # complete transfers and step until the reference is idle, then check for leaks"
+            return "drain(adapter)  # complete transfers, step until idle; the kit's drain then checks for leaks"
         return f"adapter.{self.operation}({', '.join(map(repr, self.args))})"
 
     @property
@@ -186,8 +186,17 @@ def _one_line(error: Exception) -> str:
 
 
 def render(program: list[Call]) -> str:
-    """Return a program as the Python calls it makes, one per line."""
-    return "\n".join(map(str, program))
+    """Return a program as Python that runs against an adapter: the imports of the values and of the `drain` it uses,
+    then its calls, one a line, on `adapter`, a freshly built instance of the adapter under test (`exec` it with
+    `{"adapter": adapter}`); empty for an empty program."""
+    if not program:
+        return ""
+    values = sorted({type(arg).__name__ for call in program for arg in call.args if isinstance(arg, BaseModel)})
+    imports = [f"from kvconform.common.values import {', '.join(values)}"] if values else []
+    if any(call.operation == "drain" for call in program):
+        imports.append("from kvconform.conformance.execution import drain")
+    header = ["# adapter: a freshly built instance of the adapter under test", *imports, ""]
+    return "\n".join([*header, *map(str, program)])
 
 
 def requests_created(program: list[Call]) -> int:

@@ -20,9 +20,9 @@ from kvconform.common.values import (
 )
 from kvconform.conformance import disaggregated_level, options, runner, scenarios
 from kvconform.conformance.checks import ClauseViolation
-from kvconform.conformance.execution import Execution, Session, judged_levels
+from kvconform.conformance.execution import Execution, Session, judged_levels, replay
 from kvconform.conformance.mutants import MUTANTS
-from kvconform.conformance.operations import Call
+from kvconform.conformance.operations import Call, render
 from kvconform.reference.disaggregated import LEASE_STEPS, ConsumerConnector, ProducerConnector, RankOutput
 
 PROMPT = (1, 2, 3, 0) * 3
@@ -90,6 +90,20 @@ def test_the_reference_pair_passes_what_each_mutant_fails(name: str) -> None:
     assert run(ReferencePDAdapter, PROGRAMS[name]) is None
     violation = run(MUTANTS[name].adapter, PROGRAMS[name])
     assert violation is not None and violation.clause == MUTANTS[name].clauses[0], (name, violation)
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_each_pair_program_printed_runs_against_its_mutant(name: str) -> None:
+    """A pair's counterexample printed as Python (`render`: the program the kit ran, up to the call that failed) runs
+    on a fresh mutant pair, every call accepted: the program's `decode(request, prefill_id, params)` is the
+    adapter's."""
+    failing = replay(Session(MUTANTS[name].adapter), [*PROGRAMS[name], Call("drain")])
+    assert failing.failure.clause in MUTANTS[name].clauses
+    adapter = MUTANTS[name].adapter()
+    try:
+        exec(render(failing.program), {"adapter": adapter})
+    finally:
+        adapter.close()
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
