@@ -4,8 +4,9 @@ Hypothesis finds the failing program; the shrinker then edits the program itself
 by a fresh `Execution`, with no Hypothesis draws in the way: a replay costs what its engine steps cost.
 Edits, tried until none helps or the profile's attempts are spent: drop a whole request (the call that creates it,
 `add_request`, `prefill` or `decode`, and every call naming it: a prefill's decodes go with it, and what names them),
-drop runs of calls (halving their length down to single calls), and simplify values (shorter prompts, one output
-token, no flags or tenant, no params replaced in a forward, the plainest engine configuration with the fewest ranks; a
+drop runs of calls (halving their length down to single calls), put one drain in place of steps in a row (where the
+harness completes transfers: a drain is as many steps, cheap), and simplify values (shorter prompts, one output token,
+no flags or tenant, no params replaced in a forward, the plainest engine configuration with the fewest ranks; a
 prefill's prompt, tenant and adapter together with those of its decodes, which read its KV).
 
 The budget is a number of replays, not seconds, so that the counterexample a run reports is the same on a
@@ -137,6 +138,8 @@ class Shrinker:
             for first in range(len(program) - length, 0, -length):
                 yield program[:first] + program[first + length:]
             length //= 2
+        for first, last in reversed(step_runs(program) if self.tries == 1 else []):  # a harness clock's steps
+            yield program[:first] + [Call("drain")] + program[last:]
         for position, call in enumerate(program):
             for simpler in self.simpler(call):
                 yield program[:position] + [simpler] + program[position + 1:]
@@ -174,6 +177,21 @@ class Shrinker:
 
 def fails_as(replay: Replay, failure: Failure) -> bool:
     return replay.violation is not None and Failure.of(replay.violation) == failure
+
+
+def step_runs(program: list[Call]) -> list[tuple[int, int]]:
+    """Return where a program has two or more plain steps in a row, each run as (first, past its last): a drain, one
+    call, steps until the engine is idle as they do (a lease that never ends, a read that never completes)."""
+    runs, first = [], None
+    for position, call in enumerate([*program, Call("drain")]):
+        plain = call.operation == "step" and not call.args
+        if plain and first is None:
+            first = position
+        elif not plain and first is not None:
+            if position - first >= 2:
+                runs.append((first, position))
+            first = None
+    return runs
 
 
 def shorter_prompts(spec: RequestSpec) -> list[tuple[int, ...]]:

@@ -8,7 +8,7 @@ from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance import runner
 from kvconform.conformance.execution import Call, Session, replay
 from kvconform.conformance.mutants import MUTANTS
-from kvconform.conformance.shrinker import Failure, Shrinker, size, without_request
+from kvconform.conformance.shrinker import Failure, Shrinker, size, step_runs, without_request
 
 PROMPT = (0, 2, 0, 2) * 3
 CONFIG = EngineConfig(num_gpu_blocks=16, block_size_factor=3, num_offload_blocks=4, eviction_policy="arc",
@@ -167,3 +167,18 @@ def test_a_pair_program_shrinks_to_the_requests_that_fail() -> None:
     assert prefill.prompt == decode.prompt and len(prefill.prompt) < len(PROMPT) and prefill.cache_salt is None
     assert shrunk.program[0].args[0].tensor_parallel_size == 1
     assert Failure.of(shrinker.replay(shrunk.program).violation) == Failure("PD-ONCE-1")
+
+
+def test_steps_in_a_row_shrink_to_a_drain() -> None:
+    """Where the harness completes transfers, a drain may stand for steps in a row: an unending lease is shown by a
+    prefill and one drain, not by the dozen steps it takes."""
+    steps = [Call("step")] * 12
+    program = [Call("start", (EngineConfig(block_size=4, num_gpu_blocks=16, block_size_factor=1),)),
+               Call("prefill", (RequestSpec(request_id="p", prompt=PROMPT),)), *steps]
+    assert step_runs(program) == [(2, 14)] and step_runs([Call("step"), Call("complete_transfers", (False, False)),
+                                                          Call("step")]) == []
+    shrinker = Shrinker(Session(MUTANTS["pd-lease-never-ends"].adapter), ReferencePDAdapter().capabilities(),
+                        attempts=1000)
+    shrunk = shrinker.shrink(shrinker.replay(program))
+    assert [call.operation for call in shrunk.program] == ["start", "prefill", "drain"], shrunk.program
+    assert shrunk.failure.clause == "PD-LEASE-1"
