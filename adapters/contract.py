@@ -55,9 +55,10 @@ class KVConnectorAdapter(abc.ABC):
     - `prefill(request)` sends a request to the producer with `kv_transfer_params={"do_remote_decode": True}`, as
       a P/D proxy does; when it finishes, the step's `EngineStep.params` of the producer carry the params its
       `request_finished` returned;
-    - `decode(request, kv_transfer_params, prefill_id)` sends a request to the consumer with those params, as the
-      harness forwarded them from prefill `prefill_id` (the producer's returned params, or params the harness made
-      malformed on purpose: the adapter passes them on unchanged);
+    - `decode(request, prefill_id, params=None)` sends a request to the consumer with the params that prefill
+      `prefill_id` returned, as a P/D proxy forwards them: the adapter keeps what its producer returned per request
+      and forwards it with `kvconform.common.forwarding.forwarded_params`, each field of `params` replacing the
+      returned one (a None value removes it: a malformed forward the harness asks for on purpose, PD-PARAMS-2);
     - `add_request(request)` sends a plain request, no params, to the consumer (it computes locally);
     - `step()` steps the producer, then the consumer, once each, and returns one `StepObservation`: its fields are the
       union of the two engines' (request ids are unique across the pair), and `disaggregated` holds each engine's
@@ -99,11 +100,14 @@ class KVConnectorAdapter(abc.ABC):
         """Disaggregated level: queue `request` on the producer, to be decoded remotely (`do_remote_decode`)."""
         raise NotImplementedError(f"{self.name} drives one engine, not a producer/consumer pair (levels)")
 
-    def decode(self, request: RequestSpec, kv_transfer_params: dict[str, Any], prefill_id: str) -> None:
-        """Disaggregated level: queue `request` on the consumer with the params the harness forwarded from the producer
-        (`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_block_ids`, ...), unchanged. `prefill_id`
-        is the prefill they were forwarded from: the proxy's own request, whose id a P/D proxy sends both engines
-        (NIXL's push mode pairs a decode with its prefill by it), whatever the params say."""
+    def decode(self, request: RequestSpec, prefill_id: str, params: dict[str, Any] | None = None) -> None:
+        """Disaggregated level: queue `request` on the consumer with the kv_transfer_params that prefill `prefill_id`
+        returned when it finished (`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_block_ids`,
+        ...), each field of `params` replacing the returned one, a None value removing it:
+        `forwarded_params(returned, params)` (`kvconform.common.forwarding`), as a P/D proxy forwards them. The harness
+        sends a decode only for a prefill whose params the pair's steps reported (`EngineStep.params`). `prefill_id` is
+        also the proxy's own request, whose id a P/D proxy sends both engines (NIXL's push mode pairs a decode with its
+        prefill by it), whatever the params say."""
         raise NotImplementedError(f"{self.name} drives one engine, not a producer/consumer pair (levels)")
 
     @abc.abstractmethod

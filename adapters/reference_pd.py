@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvconform.adapters.pair import EnginePair, merge
+from kvconform.common.forwarding import forwarded_params
 from kvconform.common.values import (
     Capabilities,
     DisaggregatedStep,
@@ -60,6 +61,8 @@ class ReferencePDAdapter(EnginePair):
         self.engines: dict[str, Engine] = {}
         self.sides: dict[str, PairSide[Any]] = {}
         self.observers: dict[str, Observer] = {}
+        self.returned: dict[str, dict[str, Any] | None] = {}
+        """The producer's finished requests -> the params their `request_finished` returned, for `decode` to forward."""
 
     def implementation_version(self) -> str:
         return KIT_VERSION
@@ -99,9 +102,10 @@ class ReferencePDAdapter(EnginePair):
     def prefill(self, request: RequestSpec) -> None:
         self._add("producer", request, {"do_remote_decode": True})
 
-    def decode(self, request: RequestSpec, kv_transfer_params: dict[str, Any], prefill_id: str) -> None:
-        """The reference's consumer reads what the params name: its pair needs no shared id."""
-        self._add("consumer", request, dict(kv_transfer_params))
+    def decode(self, request: RequestSpec, prefill_id: str, params: dict[str, Any] | None = None) -> None:
+        """Forward what the producer returned for `prefill_id`, `params`' fields in place, as a P/D proxy does; the
+        reference's consumer reads what the params name: its pair needs no shared id."""
+        self._add("consumer", request, forwarded_params(self.returned.get(prefill_id), params))
 
     def step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
         outcome = None if complete_transfers is None else (complete_transfers.fail_loads, False)
@@ -113,6 +117,7 @@ class ReferencePDAdapter(EnginePair):
                                                                                          tensor_parallel_size)]), {}
             results[role] = engine.step(outcome if role == "consumer" else None)
             steps[role] = self.engine_step(role, results[role])
+        self.returned.update(steps["producer"].params)
         return merge([self.observers[role].step(results[role]) for role in self.engines],
                      DisaggregatedStep.model_construct(producer=steps["producer"], consumer=steps["consumer"]))
 

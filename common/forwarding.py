@@ -1,6 +1,7 @@
 """The kv_transfer_params of a P/D pair (chapter `disaggregated`), as a proxy forwards them from the producer to the
-consumer: the one statement of what a consumer's params must carry, which the reference pair, the vLLM pair and the
-judge all read."""
+consumer: the one statement of what a consumer's params must carry, and of what a `decode` sends the consumer. A
+pair's adapter forwards with it, as a P/D proxy does, and the judge computes the same params with it from what the
+producer returned, so the two cannot disagree on what was sent."""
 
 from __future__ import annotations
 

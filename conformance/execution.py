@@ -27,6 +27,7 @@ from kvconform.common.values import (
     Capabilities,
     EngineConfig,
     RequestSpec,
+    ResourceUsage,
     StepObservation,
     TransferOutcome,
 )
@@ -130,6 +131,56 @@ class Session:
         if self.capabilities is None:
             raise RuntimeError("the session has no adapter capabilities before an execution began")
         return self.capabilities
+
+
+def drain_steps(harness_completes: bool, timeout: float, *, busy: Callable[[], bool],
+                idle: Callable[[ResourceUsage], bool], complete: Callable[[], None],
+                step: Callable[[], StepObservation], usage: Callable[[], ResourceUsage]) -> tuple[ResourceUsage, str]:
+    """Step until the engine is idle; return the resource usage it ended with and how long the drain waited.
+
+    Where the harness completes transfers (`harness_completes`), `complete` completes every one before each step, for
+    at most `DRAIN_STEP_LIMIT` steps. A connector on its own clock finishes its transfers itself: the drain steps the
+    engine as vLLM's engine core does while requests wait for remote KV, until it is idle or `timeout` seconds have
+    passed, and what it waited says so (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1). It steps while `busy`, then, asking the
+    adapter's `usage` after each step, until `idle` by it: on its own schedule only the adapter knows its pending
+    saves."""
+    started = time.perf_counter()
+    steps = 0
+
+    def waiting() -> bool:
+        return steps < DRAIN_STEP_LIMIT if harness_completes else time.perf_counter() - started < timeout
+
+    def one_step() -> None:
+        nonlocal steps
+        if harness_completes:
+            complete()
+        observation = step()
+        steps += 1
+        if not harness_completes and not observation.scheduled_tokens:
+            time.sleep(IDLE_STEP_PAUSE)
+
+    while waiting() and busy():
+        one_step()
+    current = usage()
+    while waiting() and not idle(current):
+        one_step()
+        current = usage()
+    waited = (f"{steps} drain steps with every transfer completed" if harness_completes else
+              f"{steps} drain steps over {time.perf_counter() - started:.2f} s on the connector's own clock (drain "
+              f"deadline {timeout:g} s)")
+    return current, waited
+
+
+def drain(adapter: KVConnectorAdapter, timeout: float = DEFAULT_DRAIN_TIMEOUT) -> ResourceUsage:
+    """Do on `adapter` what a program's `drain` does, judging nothing: complete every transfer before each step where
+    the harness completes them, and step until the adapter's resource usage is all zero (`drain_steps`); return that
+    usage. The `drain(adapter)` of a printed counterexample (`operations.render`): the kit's drain then checks for
+    leaks and liveness, which `kvconform replay` of the program judges."""
+    return drain_steps(adapter.capabilities().harness_completes_transfers, timeout, busy=lambda: False,
+                       idle=lambda usage: not any(usage.model_dump().values()),
+                       complete=lambda: adapter.complete_transfers(False, False), step=adapter.step,
+                       usage=adapter.resource_usage)[0]
+
 
 
 class Execution:
@@ -277,7 +328,8 @@ class Execution:
         self.call("prefill", spec)
 
     def _decode(self, spec: RequestSpec, prefill_id: str, override: dict[str, Any] | None = None) -> None:
-        """Forward what request `prefill_id` returned, `override`'s fields in place, to the consumer (PD-PARAMS-2)."""
+        """Have the adapter forward what request `prefill_id` returned, `override`'s fields in place, to the consumer;
+        the judges are told the params it sends, computed alike from what the pair's steps reported (PD-PARAMS-2)."""
         if prefill_id not in self.requests:
             raise InvalidCall("PD-PARAMS-2", f"decode({spec.request_id!r}) forwards the params of {prefill_id!r}, "
                                              "which no prefill sent to the producer")
@@ -285,9 +337,9 @@ class Execution:
         self.requests[spec.request_id] = spec
         for judge in self.judges:
             judge.decode(spec, params)
-        self.call("decode", spec, params, prefill_id)
+        self.call("decode", spec, prefill_id, *([] if override is None else [override]))
 
-    def _step(self, complete_transfers: TransferOutcome | None = None) -> None:
+    def _step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
         self.step_called = time.monotonic()
         actual = self.call("step", *([] if complete_transfers is None else [complete_transfers]))
         self.observations.append(actual)
@@ -300,6 +352,7 @@ class Execution:
             judge.step_observed(actual, complete_transfers)
         if self.capabilities.reads_kv:
             self.judge_resident_kv()
+        return actual
 
     def _complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         for judge in self.judges:
@@ -324,39 +377,12 @@ class Execution:
             judge.reset_answered(reset_connector and not failed, answer)
 
     def _drain(self) -> None:
-        """Step until the engine is idle, then check for leaks and liveness.
-
-        Where the harness completes transfers, it completes every one before each step, for at most `DRAIN_STEP_LIMIT`
-        steps. A connector on its own clock finishes its transfers itself: the drain steps the engine as vLLM's engine
-        core does while requests wait for remote KV, until it is idle or the session's drain deadline has passed, and
-        the verdicts say how long they waited (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1)."""
-        harness_completes = self.capabilities.harness_completes_transfers
-        started = time.perf_counter()
-        steps = 0
-
-        def waiting() -> bool:
-            return steps < DRAIN_STEP_LIMIT if harness_completes else \
-                time.perf_counter() - started < self.session.drain_timeout
-
-        def step() -> None:
-            nonlocal steps
-            if harness_completes:
-                self._complete_transfers(False, False)
-            self._step()
-            steps += 1
-            if not harness_completes and not self.observations[-1].scheduled_tokens:
-                time.sleep(IDLE_STEP_PAUSE)
-
-        while waiting() and self.state.busy():
-            step()
-        usage = self.call("resource_usage")
-        while waiting() and not self.state.idle(usage):
-            # on its own schedule only the adapter knows its pending saves: step until it says it is idle
-            step()
-            usage = self.call("resource_usage")
-        waited = (f"{steps} drain steps with every transfer completed" if harness_completes else
-                  f"{steps} drain steps over {time.perf_counter() - started:.2f} s on the connector's own clock (drain "
-                  f"deadline {self.session.drain_timeout:g} s)")
+        """Step until the engine is idle, then check for leaks and liveness (`drain_steps`): the judges' state says
+        when the engine is busy, the adapter's usage when it holds nothing more."""
+        usage, waited = drain_steps(self.capabilities.harness_completes_transfers, self.session.drain_timeout,
+                                    busy=self.state.busy, idle=self.state.idle,
+                                    complete=lambda: self._complete_transfers(False, False), step=self._step,
+                                    usage=lambda: self.call("resource_usage"))
         for judge in self.judges:
             judge.drained(usage, waited)
 

@@ -117,6 +117,9 @@ A pair of engines (the disaggregated level) adds two: `prefill(request)` sends a
 malformed forward, PD-PARAMS-2); `add_request` then goes to the consumer without params. Every other operation is
 the pair's: `step` steps both engines (`KVConnectorAdapter`)."""
 
+CREATES_REQUEST = frozenset({"add_request", "prefill", "decode"})
+"""The operations that send a new request (their first argument) to the engine or the pair."""
+
 PARAMETERS = {name: tuple(parameter.name for parameter in operation.parameters)
               for name, operation in OPERATIONS.items()}
 """The names of each operation's parameters."""
@@ -135,8 +138,13 @@ class Call:
 
     def __str__(self) -> str:
         if self.operation == "drain":
-            return "drain()  # complete transfers and step until the reference is idle, then check for leaks"
+            return "drain(adapter)  # complete transfers, step until idle; the kit's drain then checks for leaks"
         return f"adapter.{self.operation}({', '.join(map(repr, self.args))})"
+
+    @property
+    def creates(self) -> str | None:
+        """Return the id of the request this call creates (`add_request`, `prefill`, `decode`), or None."""
+        return self.args[0].request_id if self.operation in CREATES_REQUEST else None
 
     def unsupported(self, capabilities: Capabilities) -> str | None:
         """Return why an adapter of `capabilities` cannot run this call, or None if it can (CONF-CAP-1)."""
@@ -178,5 +186,19 @@ def _one_line(error: Exception) -> str:
 
 
 def render(program: list[Call]) -> str:
-    """Return a program as the Python calls it makes, one per line."""
-    return "\n".join(map(str, program))
+    """Return a program as Python that runs against an adapter: the imports of the values and of the `drain` it uses,
+    then its calls, one a line, on `adapter`, a freshly built instance of the adapter under test (`exec` it with
+    `{"adapter": adapter}`); empty for an empty program."""
+    if not program:
+        return ""
+    values = sorted({type(arg).__name__ for call in program for arg in call.args if isinstance(arg, BaseModel)})
+    imports = [f"from kvconform.common.values import {', '.join(values)}"] if values else []
+    if any(call.operation == "drain" for call in program):
+        imports.append("from kvconform.conformance.execution import drain")
+    header = ["# adapter: a freshly built instance of the adapter under test", *imports, ""]
+    return "\n".join([*header, *map(str, program)])
+
+
+def requests_created(program: list[Call]) -> int:
+    """Return how many requests a program creates: its `add_request`, `prefill` and `decode` calls."""
+    return sum(call.creates is not None for call in program)

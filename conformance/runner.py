@@ -20,7 +20,7 @@ from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_
 from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT, RunStatistics, Scheduling, Session
 from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.machine import machine_for
-from kvconform.conformance.operations import render
+from kvconform.conformance.operations import Call, render, requests_created
 from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone
 from kvconform.conformance.shrinker import Replay, Shrinker
 
@@ -63,9 +63,15 @@ class RunResult:
         return "ok" if self.passed else "info" if self.failed_clause == AdapterHung.clause else "fail"
 
     @property
+    def counterexample_calls(self) -> list[Call]:
+        """Return the calls of the shrunk counterexample's program; none for a run that failed before its engine
+        started, or hung (its counterexample is the adapter calls made, not a program)."""
+        return [Call.from_json(operation) for operation in self.program or ()]
+
+    @property
     def counterexample_requests(self) -> int:
-        """Return how many requests the shrunk counterexample adds."""
-        return (self.counterexample or "").count("adapter.add_request(")
+        """Return how many requests the shrunk counterexample creates (`add_request`, `prefill`, `decode`)."""
+        return requests_created(self.counterexample_calls)
 
 
 def run(

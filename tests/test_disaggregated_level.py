@@ -9,6 +9,7 @@ import pytest
 
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.adapters.reference_pd import ReferencePDAdapter
+from kvconform.common.forwarding import forwarded_params
 from kvconform.common.values import (
     Capabilities,
     EngineConfig,
@@ -18,12 +19,12 @@ from kvconform.common.values import (
     TransferOutcome,
 )
 from kvconform.conformance import options, runner, scenarios
-from kvconform.conformance.execution import Execution, Session
+from kvconform.conformance.execution import Execution, Session, replay
 from kvconform.conformance.judging import disaggregated
 from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.judging.levels import judged_levels
 from kvconform.conformance.mutants import MUTANTS
-from kvconform.conformance.operations import Call
+from kvconform.conformance.operations import Call, render
 from kvconform.reference.disaggregated import LEASE_STEPS, ConsumerConnector, ProducerConnector, RankOutput
 
 PROMPT = (1, 2, 3, 0) * 3
@@ -91,6 +92,20 @@ def test_the_reference_pair_passes_what_each_mutant_fails(name: str) -> None:
     assert run(ReferencePDAdapter, PROGRAMS[name]) is None
     violation = run(MUTANTS[name].adapter, PROGRAMS[name])
     assert violation is not None and violation.clause == MUTANTS[name].clauses[0], (name, violation)
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_each_pair_program_printed_runs_against_its_mutant(name: str) -> None:
+    """A pair's counterexample printed as Python (`render`: the program the kit ran, up to the call that failed) runs
+    on a fresh mutant pair, every call accepted: the program's `decode(request, prefill_id, params)` is the
+    adapter's."""
+    failing = replay(Session(MUTANTS[name].adapter), [*PROGRAMS[name], Call("drain")])
+    assert failing.failure.clause in MUTANTS[name].clauses
+    adapter = MUTANTS[name].adapter()
+    try:
+        exec(render(failing.program), {"adapter": adapter})
+    finally:
+        adapter.close()
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -288,9 +303,9 @@ class AbortNotifyingPair(ReferencePDAdapter):
         super().__init__()
         self.forwarded: dict[str, dict] = {}
 
-    def decode(self, request: RequestSpec, kv_transfer_params: dict, prefill_id: str) -> None:
-        self.forwarded[request.request_id] = kv_transfer_params
-        super().decode(request, kv_transfer_params, prefill_id)
+    def decode(self, request: RequestSpec, prefill_id: str, params: dict | None = None) -> None:
+        self.forwarded[request.request_id] = forwarded_params(self.returned.get(prefill_id), params)
+        super().decode(request, prefill_id, params)
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)

@@ -112,11 +112,10 @@ def consumer_receive(model_directory: str) -> tuple[bool, bool]:
         start, prefill, *_ = hand_over()
         adapter.start(start.args[0])
         adapter.prefill(prefill.args[0])
-        params = None
         deadline = time.monotonic() + 20
-        while params is None and time.monotonic() < deadline:
-            params = adapter.step().disaggregated.producer.params.get("p")
-        adapter.decode(RequestSpec(request_id="d", prompt=PROMPT, max_tokens=3), params, "p")
+        while "p" not in adapter.returned and time.monotonic() < deadline:
+            adapter.step()
+        adapter.decode(RequestSpec(request_id="d", prompt=PROMPT, max_tokens=3), "p")
         while time.monotonic() < deadline:
             consumer = adapter.step().disaggregated.consumer
             if "d" in consumer.finished_recving:

@@ -218,6 +218,35 @@ def test_certify_names_every_gap(tmp_path: Path) -> None:
     assert code == 1 and "not certified: OFF-READ-1: known failure" in stderr, stderr
 
 
+PRINTED_COUNTEREXAMPLES = {"connector": "negative-answer", "offloading": "skip-flag-ignored",
+                           "disaggregated": "pd-receive-reported-twice"}
+"""Per spec level, a mutant killed at it (a KVC-* clause, the seed bug, a P/D clause) whose smoke-profile
+counterexample is printed and run again."""
+
+
+@pytest.mark.parametrize("level", sorted(PRINTED_COUNTEREXAMPLES))
+def test_a_printed_counterexample_is_python_that_runs_against_the_adapter(level: str) -> None:
+    """The counterexample a run prints is a snippet that runs against a freshly built adapter, every call accepted
+    (a TypeError is a call the adapter does not take); its program, replayed by the kit, fails the same clause."""
+    name = PRINTED_COUNTEREXAMPLES[level]
+    row = MUTANTS[name]
+    result = runner.run(row.adapter, name, "smoke")
+    assert result.failed_clause in row.clauses and level in (*row.levels, "connector"), result.message
+    assert result.counterexample.startswith("# adapter: "), result.counterexample
+    if level == "disaggregated":
+        assert "adapter.prefill(RequestSpec(" in result.counterexample
+        assert "adapter.decode(RequestSpec(" in result.counterexample, result.counterexample
+    adapter = row.adapter()
+    try:
+        exec(result.counterexample, {"adapter": adapter})
+    finally:
+        adapter.close()
+    replayed = replay(Session(row.adapter), result.counterexample_calls)
+    assert replayed.violation is not None and replayed.violation.clause == result.failed_clause, replayed.violation
+    assert result.counterexample_requests == sum(call.operation in ("add_request", "prefill", "decode")
+                                                 for call in result.counterexample_calls) > 0
+
+
 def test_replay_runs_a_reported_counterexample_again(tmp_path: Path) -> None:
     """`kvconform replay` reruns the program of a report: it fails the mutant again and passes the reference."""
     report = tmp_path / "seed.json"
@@ -225,6 +254,7 @@ def test_replay_runs_a_reported_counterexample_again(tmp_path: Path) -> None:
     assert code == 1 and json.loads(report.read_text())["program"]
     replayed = CliRunner().invoke(main, ["replay", str(report), "--adapter", "kvconform_test_mutant:make"])
     assert replayed.exit_code == 1 and "NOT conformant: OFF-READ-1" in replayed.stdout, replayed.stdout
+    assert "from kvconform.common.values import" in replayed.stdout
     assert "adapter.add_request(RequestSpec(" in replayed.stdout
     assert CliRunner().invoke(main, ["replay", str(report)]).exit_code == 0
     bad = tmp_path / "bad.json"

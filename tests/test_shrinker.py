@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from kvconform.adapters.reference import ReferenceAdapter
+from kvconform.adapters.reference_pd import ReferencePDAdapter
 from kvconform.common.values import Capabilities, EngineConfig, RequestSpec
 from kvconform.conformance import runner
 from kvconform.conformance.execution import Call, Session, replay
 from kvconform.conformance.mutants import MUTANTS
-from kvconform.conformance.shrinker import Failure, Shrinker, size
+from kvconform.conformance.shrinker import Failure, Shrinker, size, step_runs, without_request
 
 PROMPT = (0, 2, 0, 2) * 3
 CONFIG = EngineConfig(num_gpu_blocks=16, block_size_factor=3, num_offload_blocks=4, eviction_policy="arc",
@@ -122,3 +123,62 @@ def test_a_long_shrink_says_how_far_it_got(monkeypatch) -> None:
     assert lines and all(line.startswith("shrinking OFF-READ-1: ") for line in lines), lines
     calls = [int(line.split("requests, ")[1].split(" calls")[0]) for line in lines]
     assert calls == sorted(calls, reverse=True) and calls[-1] < len(seed_scenario(noise=2)), lines
+
+
+def pair_scenario(noise: int) -> list[Call]:
+    """A prefill forwarded to the consumer and read, buried among `noise` other prefills, each forwarded, the forward
+    then aborted, and a plain request to the consumer."""
+    def spec(request_id: str, max_tokens: int = 1) -> RequestSpec:
+        return RequestSpec(request_id=request_id, prompt=PROMPT, max_tokens=max_tokens, cache_salt="tenant-a")
+
+    program = [Call("start", (EngineConfig(block_size=4, num_gpu_blocks=64, block_size_factor=1,
+                                           tensor_parallel_size=2),))]
+    for number in range(noise):
+        program += [Call("prefill", (spec(f"n{number}"),)), Call("step"),
+                    Call("decode", (spec(f"m{number}", 2), f"n{number}")), Call("abort", (f"m{number}",))]
+    program += [Call("add_request", (spec("plain"),)), Call("prefill", (spec("p"),)), Call("step"),
+                Call("decode", (spec("d", 3), "p", {"remote_engine_id": "prefill-0"})), Call("step"),
+                Call("complete_transfers", (False, False)), Call("step"), Call("step"), Call("drain")]
+    return program
+
+
+def test_dropping_a_prefill_drops_the_decodes_of_its_params_and_what_names_them() -> None:
+    """A prefill goes with the decodes that forward its params, and an abort of such a decode with them; every call
+    that creates a request counts as one (`size`)."""
+    program = pair_scenario(noise=1)  # start, prefill n0, step, decode m0 of n0, abort m0, then plain, p and d
+    assert size(program)[0] == 5
+    assert without_request(program, "n0") == [program[0], program[2], *program[5:]]
+    assert without_request(program, "m0") == [*program[:3], *program[5:]]
+
+
+def test_a_pair_program_shrinks_to_the_requests_that_fail() -> None:
+    """CONF-RUN-3 at the disaggregated level: the shrinker drops whole prefills and decodes, plain requests and the
+    calls naming them, and simplifies a prefill with its decode: what is left is the one hand-over the mutant fails,
+    with the params as the producer returned them."""
+    session = Session(MUTANTS["pd-receive-reported-twice"].adapter)
+    shrinker = Shrinker(session, ReferencePDAdapter().capabilities(), attempts=1000)
+    found = shrinker.replay(pair_scenario(noise=3))
+    assert Failure.of(found.violation) == Failure("PD-ONCE-1"), found.violation
+    shrunk = shrinker.shrink(found)
+    created = [call for call in shrunk.program if call.creates is not None]
+    assert [call.operation for call in created] == ["prefill", "decode"], shrunk.program
+    prefill, decode = (call.args[0] for call in created)
+    assert len(created[1].args) == 2 and decode.max_tokens == 1, shrunk.program
+    assert prefill.prompt == decode.prompt and len(prefill.prompt) < len(PROMPT) and prefill.cache_salt is None
+    assert shrunk.program[0].args[0].tensor_parallel_size == 1
+    assert Failure.of(shrinker.replay(shrunk.program).violation) == Failure("PD-ONCE-1")
+
+
+def test_steps_in_a_row_shrink_to_a_drain() -> None:
+    """Where the harness completes transfers, a drain may stand for steps in a row: an unending lease is shown by a
+    prefill and one drain, not by the dozen steps it takes."""
+    steps = [Call("step")] * 12
+    program = [Call("start", (EngineConfig(block_size=4, num_gpu_blocks=16, block_size_factor=1),)),
+               Call("prefill", (RequestSpec(request_id="p", prompt=PROMPT),)), *steps]
+    assert step_runs(program) == [(2, 14)] and step_runs([Call("step"), Call("complete_transfers", (False, False)),
+                                                          Call("step")]) == []
+    shrinker = Shrinker(Session(MUTANTS["pd-lease-never-ends"].adapter), ReferencePDAdapter().capabilities(),
+                        attempts=1000)
+    shrunk = shrinker.shrink(shrinker.replay(program))
+    assert [call.operation for call in shrunk.program] == ["start", "prefill", "drain"], shrunk.program
+    assert shrunk.failure.clause == "PD-LEASE-1"

@@ -41,7 +41,7 @@ from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm import runtime
 from kvconform.adapters.vllm.connector import CONNECTOR, CONNECTOR_CONFIG, CONNECTOR_MANIFEST, VllmConnectorAdapter
 from kvconform.adapters.vllm.engine import TransferSeam
-from kvconform.common.forwarding import missing_fields
+from kvconform.common.forwarding import forwarded_params, missing_fields
 from kvconform.common.values import (
     Capabilities,
     DisaggregatedStep,
@@ -458,6 +458,8 @@ class VllmPDAdapter(EnginePair):
         self.request_ids: dict[str, str] = {}
         """Each request's id in its engine (`as_sent`), by the harness's id."""
         self.suffixes = itertools.count(1)
+        self.returned: dict[str, dict[str, Any] | None] = {}
+        """The producer's finished requests -> the params they returned, under the harness's ids, for `decode`."""
 
     def implementation_version(self) -> str:
         return self.engines["consumer"].implementation_version()
@@ -489,11 +491,11 @@ class VllmPDAdapter(EnginePair):
     def prefill(self, request: RequestSpec) -> None:
         self.engines["producer"].add_request(self.as_sent(request), {"do_remote_decode": True})
 
-    def decode(self, request: RequestSpec, kv_transfer_params: dict[str, Any], prefill_id: str) -> None:
-        """Forward the params as the harness gave them, the request ids in them as the engines know them; the decode
-        shares the proxy's id of its prefill."""
-        self.engines["consumer"].add_request(self.as_sent(request, prefill_id),
-                                             renamed(dict(kv_transfer_params), self.request_ids))
+    def decode(self, request: RequestSpec, prefill_id: str, params: dict[str, Any] | None = None) -> None:
+        """Forward what the producer returned for `prefill_id`, `params`' fields in place, as a P/D proxy does, the
+        request ids in them as the engines know them; the decode shares the proxy's id of its prefill."""
+        forwarded = forwarded_params(self.returned.get(prefill_id), params)
+        self.engines["consumer"].add_request(self.as_sent(request, prefill_id), renamed(forwarded, self.request_ids))
 
     def abort(self, request_id: str) -> None:
         super().abort(self.request_ids.get(request_id, request_id))
@@ -510,7 +512,9 @@ class VllmPDAdapter(EnginePair):
                                                                 for role in ("producer", "consumer"))
         pair = merge([producer, consumer], DisaggregatedStep.model_construct(producer=producer_step,
                                                                              consumer=consumer_step))
-        return cast(StepObservation, renamed(pair, {inner: outer for outer, inner in self.request_ids.items()}))
+        outer = {inner: outer for outer, inner in self.request_ids.items()}
+        self.returned.update(renamed(producer_step.params, outer))
+        return cast(StepObservation, renamed(pair, outer))
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         """The connector completes its transfers itself (`harness_completes_transfers` False)."""

@@ -62,7 +62,7 @@ def kill(name: str, profile: str, seed: int | None) -> Kill:
                         "killed" if result.failed_clause in row.clauses else "killed by another clause")
     return Kill(mutant=name, vllm_ref=row.vllm_ref, clauses=list(row.clauses), verdict=verdict,
                 failed_clause=result.failed_clause, found_after=result.found_after, seconds=round(result.seconds, 3),
-                requests=result.counterexample_requests, calls=len((result.counterexample or "").splitlines()),
+                requests=result.counterexample_requests, calls=len(result.counterexample_calls),
                 message=result.message, counterexample=result.counterexample)
 
 
