@@ -1,5 +1,6 @@
 """Objects of the vLLM adapters in processes of their own, as vLLM's deployments run them: a tensor-parallel rank's
-worker (`engine.RankWorker`), one process per rank as vLLM's multiprocess executor runs it.
+worker (`engine.RankWorker`), one process per rank as vLLM's multiprocess executor runs it, and a P/D pair's producer
+engine (`pd.producer_server`), as a deployment runs the prefill engine apart from the decode one.
 
 A `Server` is a plain interpreter, not a multiprocessing spawn (which would import the user's main script again),
 started once per role (vLLM's import takes seconds) and reused for one object at a time: "open" builds the object with
@@ -113,10 +114,10 @@ def server(role: str, what: str, factory: str, environment: dict[str, str] | Non
     return _servers[role]
 
 
-def stop_servers() -> None:
-    """End this process's servers that are alive, as this process exits."""
-    for role in list(_servers):
-        if _servers[role].alive:
+def stop_servers(*roles: str) -> None:
+    """End this process's servers of `roles` (all, as this process exits, if none is named) that are alive."""
+    for role in roles or list(_servers):
+        if role in _servers and _servers[role].alive:
             _servers.pop(role).stop()
 
 
