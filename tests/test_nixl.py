@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from kvconform.adapters.vllm import pd, runtime
-from kvconform.adapters.vllm.processes import ProcessLost, stop_servers
 from kvconform.adapters.vllm.connector import CONNECTOR_CONFIG
 from kvconform.adapters.vllm.pd import INSTALL, VllmPDAdapter
+from kvconform.adapters.vllm.processes import ProcessLost, stop_servers
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import baseline
 from kvconform.conformance.operations import Call

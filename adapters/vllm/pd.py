@@ -25,7 +25,6 @@ import itertools
 import os
 import random
 import socket
-import traceback
 from typing import Any, cast
 
 from pydantic import BaseModel
