@@ -77,7 +77,7 @@ class VllmConnectorAdapter(VllmAdapter):
         if self.module_path is None and self.connector_name in SEAMS:
             self.seam = SEAMS[self.connector_name](self)
         sizes = self.capabilities().tensor_parallel_sizes
-        if self.rank_processes and max(sizes) > 1 and ranks_in_processes():
+        if self.seam.in_rank_processes and max(sizes) > 1 and ranks_in_processes():
             self.start_rank_servers(max(sizes))  # here, not in start: each imports vLLM, outside any call's deadline
         self.storage = tempfile.TemporaryDirectory(prefix="kvconform-connector-")
 

@@ -34,7 +34,7 @@ from kvconform.adapters.pair import EnginePair, merge
 from kvconform.adapters.registry import AdapterNotFound
 from kvconform.adapters.vllm import processes, runtime
 from kvconform.adapters.vllm.connector import CONNECTOR, CONNECTOR_CONFIG, CONNECTOR_MANIFEST, VllmConnectorAdapter
-from kvconform.adapters.vllm.engine import TransferSeam
+from kvconform.adapters.vllm.engine import RankWorker, TransferSeam
 from kvconform.common.forwarding import forwarded_params, missing_fields
 from kvconform.common.values import (
     Capabilities,
@@ -123,14 +123,14 @@ class PDEngine(VllmConnectorAdapter):
     """One engine of the pair: `vllm-connector`'s, with an engine id, a side channel, and each request's params."""
 
     default_connector = DEFAULT_CONNECTOR
+    seam = CpuPlatformSeam()
 
     def __init__(self, engine_id: str) -> None:
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only, in the rank processes too
         # NIXL logs each agent it builds to standard output, from its import on (its level names: nixl/logging.py)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        super().__init__()
         self.engine_id = engine_id
-        self.seam = CpuPlatformSeam()
+        super().__init__()
         self.delayed: set[str] = set()
         """Finished requests whose free the connector delays, until it reports them in `finished_sending`."""
         self.engine_step = EngineStep(engine_id=engine_id, ranks=())
@@ -149,8 +149,16 @@ class PDEngine(VllmConnectorAdapter):
         super().start(config)
         connector = self.scheduler.connector
         connector.connector_scheduler.side_channel_port = free_port()
-        connector.set_xfer_handshake_metadata_pp_aware({(0, rank.index): rank.worker.get_handshake_metadata()
-                                                         for rank in self.ranks})
+        metadata = self._on_ranks("handshake_metadata")
+        connector.set_xfer_handshake_metadata_pp_aware({(0, index): rank for index, rank in enumerate(metadata)})
+
+    @property
+    def rank_worker(self) -> type[PDRankWorker]:
+        return PDRankWorker
+
+    def rank_role(self, index: int) -> str:
+        """Each engine of the pair has rank processes of its own."""
+        return f"{self.engine_id}-rank-{index}"
 
     def add_request(self, request: RequestSpec, kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Queue `request`, noting params of a remote prefill that lack a field (PD-PARAMS-2)."""
@@ -161,13 +169,11 @@ class PDEngine(VllmConnectorAdapter):
 
     def attach(self) -> None:
         """Turn the connector's failure on params a proxy forwarded malformed into PD-PARAMS-2, a verdict
-        (`failing_on_malformed_params`); and a worker's raise on a read into PD-FAIL-1 (`failing_reads`)."""
+        (`failing_on_malformed_params`); a worker's raise on a read is PD-FAIL-1 in its rank (`PDRankWorker`)."""
         super().attach()
         connector = self.scheduler.connector
         for name in ("update_state_after_alloc", "build_connector_meta"):
             setattr(connector, name, self.failing_on_malformed_params(name, getattr(connector, name)))
-        for rank in self.ranks:
-            rank.worker.start_load_kv = self.failing_reads(rank.worker.start_load_kv)
 
     def failing_on_malformed_params(self, name: str, hook: Any) -> Any:
         """Return the scheduler-side connector's `hook`, a raise in it while a remote prefill with params lacking a
@@ -188,21 +194,6 @@ class PDEngine(VllmConnectorAdapter):
 
         return call
 
-    @staticmethod
-    def failing_reads(start_load_kv: Any) -> Any:
-        """Return the worker's `start_load_kv`, a raise in it a PD-FAIL-1 verdict: a read that cannot be made must be
-        reported failed, not take the engine down (NIXL 0.34 asserts on remote blocks fewer than the consumer's,
-        `nixl/base_worker.py`:3910)."""
-
-        def reads(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return start_load_kv(*args, **kwargs)
-            except Exception as error:
-                raise ImplementationFailure("PD-FAIL-1", f"the consumer's start_load_kv raised {type(error).__name__} "
-                                                         f"{error} instead of reporting the read failed") from error
-
-        return reads
-
     def pair_step(self) -> tuple[StepObservation, EngineStep]:
         """Step the engine; return its observation and its connector facts for the pair's step."""
         return self.step(), self.engine_step
@@ -222,19 +213,53 @@ class PDEngine(VllmConnectorAdapter):
             forward_writes=frozenset(trace.forward_writes))
 
     def close(self) -> None:
-        """Stop the connector's threads and side channel, release NIXL's agents now (their UCX threads poll until the
-        agent is destroyed, and a failure's traceback keeps the engine alive through shrinking), then the engine."""
-        if self.scheduler is None:  # never started
-            return
+        """Stop the scheduler-side connector's side channel, then the ranks' workers (`PDRankWorker.close`) and the
+        engine."""
         try:
-            for connector in (self.scheduler.connector, *(rank.worker for rank in self.ranks)):
-                connector.shutdown()
+            if self.scheduler is not None:  # started
+                self.scheduler.connector.shutdown()
         finally:
-            for rank in self.ranks:
-                worker = getattr(rank.worker, "connector_worker", None)
-                if worker is not None and hasattr(worker, "nixl_wrapper"):
-                    worker.nixl_wrapper = None
             super().close()
+
+
+class PDRankWorker(RankWorker):
+    """A rank's worker of a pair's engine: a raise in its `start_load_kv` is a PD-FAIL-1 verdict (`failing_reads`), it
+    gives the scheduler its handshake metadata, and its close releases NIXL's agent."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.worker.start_load_kv = failing_reads(self.worker.start_load_kv)
+
+    def handshake_metadata(self) -> Any:
+        """The metadata the engine's side channel serves for this rank (vLLM's engine core collects it from every
+        worker, `EngineCore._set_kv_connector_handshake_metadata`)."""
+        return self.worker.get_handshake_metadata()
+
+    def close(self) -> None:
+        """Stop the connector's threads, then release NIXL's agent now: its UCX threads poll until the agent is
+        destroyed, and a failure's traceback keeps the worker alive through shrinking."""
+        worker = self.worker
+        try:
+            super().close()
+        finally:
+            nixl_worker = getattr(worker, "connector_worker", None)
+            if nixl_worker is not None and hasattr(nixl_worker, "nixl_wrapper"):
+                nixl_worker.nixl_wrapper = None
+
+
+def failing_reads(start_load_kv: Any) -> Any:
+    """Return a worker's `start_load_kv`, a raise in it a PD-FAIL-1 verdict: a read that cannot be made must be reported
+    failed, not take the engine down (NIXL 0.34 asserts on remote blocks fewer than the consumer's,
+    `nixl/base_worker.py`:3910)."""
+
+    def reads(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return start_load_kv(*args, **kwargs)
+        except Exception as error:
+            raise ImplementationFailure("PD-FAIL-1", f"the consumer's start_load_kv raised {type(error).__name__} "
+                                                     f"{error} instead of reporting the read failed") from error
+
+    return reads
 
 
 def renamed(value: Any, names: dict[str, str]) -> Any:
