@@ -40,9 +40,9 @@ CONNECTOR_OPTIONS = (
                  help="For --adapter vllm-pd: 2 runs the producer engine in a process of its own, the consumer in this "
                       "one (default 1: both here)"),
     click.option("--ranks", type=click.Choice(["processes", "in-process"]), default=None,
-                 help="For --adapter vllm-connector at a tensor-parallel size over 1: where each rank's worker-side "
-                      "connector runs: in a process of its own, as vLLM runs it (default), or all in this process, "
-                      "faster, right only for a connector that keeps no per-process state"),
+                 help="For --adapter vllm-connector or vllm-pd at a tensor-parallel size over 1: where each rank's "
+                      "worker-side connector runs: in a process of its own, as vLLM runs it (default), or all in this "
+                      "process, faster, right only for a connector that keeps no per-process state"),
 )
 
 

@@ -122,8 +122,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="For vllm-pd: 2 runs the producer engine in a process of its own (default 1: both in this "
                          "one)")
     group.addoption(OPTION_RANKS, dest="kv_ranks", default=None, choices=("processes", "in-process"),
-                    help="For vllm-connector at a tensor-parallel size over 1: each rank in a process of its own "
-                         "(default), or all in this one (faster, for connectors without per-process state)")
+                    help="For vllm-connector or vllm-pd past one tensor-parallel rank: each rank in a process of its "
+                         "own (default), or all in this one (faster, for connectors without per-process state)")
 
 
 def adapter_spec(config: pytest.Config) -> str | None:
