@@ -84,15 +84,16 @@ class RunOptions:
 
 
 CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST",
-                       "KVCONFORM_PD_PROCESSES")
-"""Where the connector that `vllm-connector` and `vllm-pd` build is named, and the processes `vllm-pd` runs in: set by
---connector, --connector-config, --connector-manifest and --pd-processes (--kv-connector… and --kv-pd-processes in
-pytest), read by the adapter, also in pytest-xdist workers."""
+                       "KVCONFORM_PD_PROCESSES", "KVCONFORM_RANKS")
+"""Where the connector that `vllm-connector` and `vllm-pd` build is named, the processes `vllm-pd` runs in, and where
+`vllm-connector`'s tensor-parallel ranks run (`processes` by default, or `in-process`): set by --connector,
+--connector-config, --connector-manifest, --pd-processes and --ranks (--kv-connector…, --kv-pd-processes and --kv-ranks
+in pytest), read by the adapter, also in pytest-xdist workers."""
 
 
 def select_connector(*values: str | None) -> None:
-    """Name the connector, its config and its manifest, and `vllm-pd`'s processes; values not given are left as
-    set."""
+    """Name the connector, its config and its manifest, `vllm-pd`'s processes and where the ranks run; values not
+    given are left as set."""
     for variable, value in zip(CONNECTOR_VARIABLES, values, strict=False):
         if value is not None:
             os.environ[variable] = value

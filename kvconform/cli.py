@@ -39,6 +39,10 @@ CONNECTOR_OPTIONS = (
     click.option("--pd-processes", type=click.Choice(["1", "2"]), default=None,
                  help="For --adapter vllm-pd: 2 runs the producer engine in a process of its own, the consumer in this "
                       "one (default 1: both here)"),
+    click.option("--ranks", type=click.Choice(["processes", "in-process"]), default=None,
+                 help="For --adapter vllm-connector or vllm-pd at a tensor-parallel size over 1: where each rank's "
+                      "worker-side connector runs: in a process of its own, as vLLM runs it (default), or all in this "
+                      "process, faster, right only for a connector that keeps no per-process state"),
 )
 
 
@@ -85,19 +89,20 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                 drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool,
                 scheduling: str, tensor_parallel_size: int | None, connector: str | None,
                 connector_config: str | None, connector_manifest: str | None, pd_processes: str | None,
-                verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
+                ranks: str | None, verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = make_console(stderr=True)
     if vllm_releases is not None:
         given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
                  "--connector": connector, "--connector-config": connector_config,
-                 "--connector-manifest": connector_manifest, "--pd-processes": pd_processes, "--database": database,
+                 "--connector-manifest": connector_manifest, "--pd-processes": pd_processes, "--ranks": ranks,
+                 "--database": database,
                  "--workers": workers, "--tensor-parallel-size": tensor_parallel_size}
         arguments = [str(item) for name, value in given.items() if value is not None for item in (name, value)]
         _run_releases(vllm_releases, arguments + ["--certify"] * certify, adapter_spec, profile, report_path,
                       junit_path)
-    options.select_connector(connector, connector_config, connector_manifest, pd_processes)
+    options.select_connector(connector, connector_config, connector_manifest, pd_processes, ranks)
     try:
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
@@ -282,7 +287,7 @@ def _usage_error(message: str) -> None:
 @_connector_options
 def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: float, known_failures_path: Path | None,
                    connector: str | None, connector_config: str | None, connector_manifest: str | None,
-                   pd_processes: str | None) -> None:
+                   pd_processes: str | None, ranks: str | None) -> None:
     """Run scenarios (JSON files with `ops`, or the names of bundled ones) and counterexamples (the program of a JSON
     report, or a JSON list of operations) on an adapter, each on a fresh instance from one factory (an engine such as
     vLLM is imported once) and as `kvconform run` runs its examples: one verdict each; the exit status is the worst
@@ -295,13 +300,13 @@ def replay_command(sources: tuple[str, ...], adapter_spec: str, call_timeout: fl
         replays = [_replayable(source) for source in sources]  # every file checked before the adapter is imported
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
         _usage_error(str(error))
-    options.select_connector(connector, connector_config, connector_manifest, pd_processes)
+    options.select_connector(connector, connector_config, connector_manifest, pd_processes, ranks)
     try:
         run = options.prepare(adapter_spec, call_timeout=call_timeout, known_failures_path=known_failures_path)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
     given = {"connector": connector, "connector config": connector_config, "connector manifest": connector_manifest,
-             "processes": pd_processes}
+             "processes": pd_processes, "ranks": ranks}
     click.echo(f"kvconform: adapter {adapter_spec} {run.implementation_version}, "
                + "".join(f"{name} {value}, " for name, value in given.items() if value is not None)
                + f"call timeout {call_timeout:g}s", err=True)

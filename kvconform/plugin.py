@@ -34,6 +34,7 @@ OPTION_CONNECTOR = "--kv-connector"
 OPTION_CONNECTOR_CONFIG = "--kv-connector-config"
 OPTION_CONNECTOR_MANIFEST = "--kv-connector-manifest"
 OPTION_PD_PROCESSES = "--kv-pd-processes"
+OPTION_RANKS = "--kv-ranks"
 OPTION_SCHEDULING = "--kv-scheduling"
 OPTION_CALL_TIMEOUT = "--kv-call-timeout"
 OPTION_DRAIN_TIMEOUT = "--kv-drain-timeout"
@@ -120,6 +121,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(OPTION_PD_PROCESSES, dest="kv_pd_processes", default=None, choices=("1", "2"),
                     help="For vllm-pd: 2 runs the producer engine in a process of its own (default 1: both in this "
                          "one)")
+    group.addoption(OPTION_RANKS, dest="kv_ranks", default=None, choices=("processes", "in-process"),
+                    help="For vllm-connector or vllm-pd past one tensor-parallel rank: each rank in a process of its "
+                         "own (default), or all in this one (faster, for connectors without per-process state)")
 
 
 def adapter_spec(config: pytest.Config) -> str | None:
@@ -137,7 +141,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from kvconform.conformance import options
 
     options.select_connector(*(config.getoption(dest) for dest in
-                               ("kv_connector", "kv_connector_config", "kv_connector_manifest", "kv_pd_processes")))
+                               ("kv_connector", "kv_connector_config", "kv_connector_manifest", "kv_pd_processes",
+                                "kv_ranks")))
     given = {keyword: config.getoption(dest) for keyword, dest in PREPARE_ARGUMENTS.items()}
     try:
         config.stash[RUN_OPTIONS] = options.prepare(spec, **{k: v for k, v in given.items() if v is not None})
@@ -173,7 +178,8 @@ def release_arguments(config: pytest.Config) -> list[str]:
     """Return the `kvconform run` arguments the --kv-* options given stand for, for each release's run."""
     names = {**{dest: f"--{dest.replace('_', '-').removeprefix('kv-')}" for dest in PREPARE_ARGUMENTS.values()},
              "kv_adapter": "--adapter", "kv_connector": "--connector", "kv_connector_config": "--connector-config",
-             "kv_connector_manifest": "--connector-manifest", "kv_pd_processes": "--pd-processes"}
+             "kv_connector_manifest": "--connector-manifest", "kv_pd_processes": "--pd-processes",
+             "kv_ranks": "--ranks"}
     arguments = ["--adapter", str(adapter_spec(config))]
     for dest, name in names.items():
         value = config.getoption(dest)

@@ -18,6 +18,7 @@ import pytest
 from kvconform.adapters.vllm import pd, runtime
 from kvconform.adapters.vllm.connector import CONNECTOR_CONFIG
 from kvconform.adapters.vllm.pd import INSTALL, VllmPDAdapter
+from kvconform.adapters.vllm.processes import ProcessLost, stop_servers
 from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import baseline
 from kvconform.conformance.operations import Call
@@ -94,19 +95,19 @@ def test_a_producer_process_that_exits_is_named_and_replaced(monkeypatch: pytest
     adapter.start(hand_over()[0].args[0])
     server = adapter.engines["producer"].server
     server.process.kill()
-    with pytest.raises(pd.EngineProcessLost, match=r"the producer's process exited \(code -9\) (during|before) "
+    with pytest.raises(ProcessLost, match=r"the producer's process exited \(code -9\) (during|before) "
                                                    r"pair_step"):
         adapter.step()
     adapter.close()
     assert run(VllmPDAdapter, hand_over()) is None
-    assert pd.engine_server() is not server
+    assert pd.producer_server() is not server
 
 
 def consumer_receive(model_directory: str) -> tuple[bool, bool]:
     """Hand a prefill over from a producer process given `model_directory` to the consumer here; return whether the
     consumer reported the receive and whether it reported it failed."""
-    pd.stop_server()
-    pd._servers[:] = [pd.EngineServer(model_directory)]
+    stop_servers("producer")
+    pd.producer_server(model_directory)
     adapter = VllmPDAdapter()
     try:
         start, prefill, *_ = hand_over()
@@ -134,7 +135,7 @@ def test_the_handshake_compatibility_check_stays_under_test(monkeypatch: pytest.
     assert consumer_receive(runtime.load().model_config.model) == (True, False)
     (tmp_path / "config.json").write_text(json.dumps(runtime.OPT_125M_CONFIG))
     assert consumer_receive(str(tmp_path)) == (True, True)
-    pd.stop_server()
+    stop_servers("producer")
 
 
 @pytest.mark.parametrize("known", [KNOWN, KNOWN_PUSH])

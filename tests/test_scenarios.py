@@ -293,8 +293,8 @@ def test_one_replay_runs_several_scenarios_one_line_each_worst_status_last(tmp_p
 
 
 def test_replay_takes_and_echoes_the_connector_options(monkeypatch):
-    """`--connector`, `--connector-config`, `--connector-manifest`, `--pd-processes` as `kvconform run` takes them
-    (issue 22, item 6)."""
+    """`--connector`, `--connector-config`, `--connector-manifest`, `--pd-processes`, `--ranks` as `kvconform run` takes
+    them (issue 22, item 6)."""
     from kvconform.conformance import options
 
     for variable in options.CONNECTOR_VARIABLES:
@@ -303,9 +303,10 @@ def test_replay_takes_and_echoes_the_connector_options(monkeypatch):
     monkeypatch.setattr(options, "select_connector", lambda *values: seen.setdefault("values", values))
     result = CliRunner().invoke(main, ["replay", "tenant-isolation", "--adapter", "reference", "--connector",
                                        "mymod:MyConnector", "--connector-config", '{"size": 1}',
-                                       "--connector-manifest", '{"preemption": false}', "--pd-processes", "2"])
+                                       "--connector-manifest", '{"preemption": false}', "--pd-processes", "2",
+                                       "--ranks", "in-process"])
     assert result.exit_code == 0, result.output
-    assert seen["values"] == ("mymod:MyConnector", '{"size": 1}', '{"preemption": false}', "2")
+    assert seen["values"] == ("mymod:MyConnector", '{"size": 1}', '{"preemption": false}', "2", "in-process")
     assert 'connector mymod:MyConnector, connector config {"size": 1}, connector manifest {"preemption": false}, ' \
            'processes 2' in result.stderr
 

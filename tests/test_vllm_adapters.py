@@ -28,7 +28,7 @@ from kvconform.cli import main
 from kvconform.common import kv_content
 from kvconform.common.values import VARIANTS, BlockRef, EngineConfig, LoadJob, RequestSpec, StoreJob
 from kvconform.conformance import baseline, options, runner, scenarios
-from kvconform.conformance.execution import Call, Session, replay
+from kvconform.conformance.execution import Call, Execution, Session, replay
 
 VERSION = runtime.installed_version()
 needs_vllm = pytest.mark.skipif(VERSION is None, reason="vLLM is not installed: kvconform install-vllm 0.24.0")
@@ -537,6 +537,28 @@ def save_and_load_program(ranks: int) -> list[Call]:
         program += [Call("add_request", (RequestSpec(request_id=request_id, prompt=(0, 1, 2, 3) * 6, max_tokens=3),)),
                     Call("drain"), Call("reset_prefix_cache", (False,))]
     return program
+
+
+PROCESS_STATE = "tests.process_state_connector:ProcessStateConnector"
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_connector_with_per_process_state_passes_at_two_ranks(connector_environment: None) -> None:
+    """Issue 38 item 1: each rank's worker-side connector runs in a process of its own, as in vLLM, so a correct
+    connector whose store is module state per process passes at TP 2 with no change to it. Its ranks in one process
+    (`--ranks in-process`, the speed option) read one another's heads: the false alarm, KVC-DATA-1."""
+    adapter = connector_adapter(PROCESS_STATE)
+    program = save_and_load_program(2)
+    execution = Execution(Session(adapter))
+    execution.begin()
+    for call in program:
+        execution.apply(call)
+    execution.close()
+    assert execution.coverage["KVC-DATA-1"] >= 1
+    options.select_connector(None, None, None, None, "in-process")
+    violation = replay(Session(adapter), program).violation
+    assert violation is not None and violation.clause == "KVC-DATA-1" and "the heads of rank(s)" in violation.detail
 
 
 def one_ranks_heads(adapter: Any) -> transfers.RankedTransfers:

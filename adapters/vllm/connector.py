@@ -4,8 +4,9 @@ The connector is named by `KVCONFORM_CONNECTOR` — a name vLLM's `KVConnectorFa
 `OffloadingConnector`, …) or `module:Class`, the module found from the current directory too and refused before
 vLLM is imported when it is nowhere — with its `kv_connector_extra_config` as JSON in
 `KVCONFORM_CONNECTOR_CONFIG`; `kvconform run --connector … --connector-config …` and the pytest plugin's
-`--kv-connector …` set them. Both roles run in this process around a real vLLM scheduler (`engine.VllmAdapter`),
-and the model runner glue calls the connector as vLLM's attention layers do, layer by layer. What the connector
+`--kv-connector …` set them. Both roles run around a real vLLM scheduler (`engine.VllmAdapter`), in this process
+at one rank; past one, each rank's worker side runs in a process of its own (`engine.RANKS`, `--ranks`), and the model
+runner glue calls the connector as vLLM's attention layers do, layer by layer. What the connector
 claims (`KVCONFORM_CONNECTOR_MANIFEST`, a JSON object of `Capabilities` fields) defaults to what any connector
 inside vLLM can be asked: async scheduling, aborts, no failure injection, no connector reset, no preemption from
 outside. Only the connector level's observations are reported: the connector is a black box, on its own clock:
@@ -31,7 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvconform.adapters.registry import AdapterNotFound, on_path_from_current_directory
-from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter
+from kvconform.adapters.vllm.engine import TransferSeam, VllmAdapter, ranks_in_processes
 from kvconform.adapters.vllm.lmcache import LMCacheSeam
 from kvconform.adapters.vllm.offloading import OffloadingSeam
 from kvconform.adapters.vllm.simple_cpu import SimpleCPUSeam
@@ -75,6 +76,9 @@ class VllmConnectorAdapter(VllmAdapter):
         self._check_connector()
         if self.module_path is None and self.connector_name in SEAMS:
             self.seam = SEAMS[self.connector_name](self)
+        sizes = self.capabilities().tensor_parallel_sizes
+        if self.seam.in_rank_processes and max(sizes) > 1 and ranks_in_processes():
+            self.start_rank_servers(max(sizes))  # here, not in start: each imports vLLM, outside any call's deadline
         self.storage = tempfile.TemporaryDirectory(prefix="kvconform-connector-")
 
     def _check_connector(self) -> None:
@@ -135,8 +139,11 @@ class VllmConnectorAdapter(VllmAdapter):
         return len(self.transfers.held)
 
     def close(self) -> None:
-        self.seam.close()
-        self.storage.cleanup()
+        try:
+            self.close_ranks()
+        finally:
+            self.seam.close()
+            self.storage.cleanup()
 
 
 def _find_module(module: str) -> None:

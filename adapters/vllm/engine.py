@@ -17,8 +17,10 @@ import contextlib
 import copy
 import functools
 import inspect
+import os
 import pickle
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +28,9 @@ from typing import Any
 import torch
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
-from kvconform.adapters.vllm import runtime
-from kvconform.adapters.vllm.transfers import RankedKV, RankedTransfers
+from kvconform.adapters.registry import AdapterNotFound
+from kvconform.adapters.vllm import processes, runtime
+from kvconform.adapters.vllm.transfers import HeldTransfers, KVTensors, RankedKV, RankedTransfers
 from kvconform.common import kv_content
 from kvconform.common.values import (
     EngineConfig,
@@ -40,6 +43,22 @@ from kvconform.common.values import (
 )
 
 KV_LAYER = "model.layers.0.self_attn.attn"
+
+RANKS = "KVCONFORM_RANKS"
+"""Where the worker-side connectors of an engine with more than one tensor-parallel rank run: "processes" (the
+default), each rank's in a process of its own (`RankWorker`), as vLLM's multiprocess executor runs them, the scheduler
+side in this one; or "in-process", every rank's in this process, faster, and right only for a connector that keeps no
+state per process (`--ranks in-process`)."""
+
+RANK_MODES = ("processes", "in-process")
+
+
+def ranks_in_processes() -> bool:
+    """Return whether the ranks run in processes of their own (`RANKS`)."""
+    mode = os.environ.get(RANKS) or "processes"
+    if mode not in RANK_MODES:
+        raise AdapterNotFound(f"{RANKS} must be one of {', '.join(RANK_MODES)}, not {mode!r}")
+    return mode == "processes"
 
 FINISH_HOOKS = ("request_finished", "request_finished_all_groups")
 """The connector's finish hooks, one of which the scheduler calls per finished request: `request_finished_all_groups`
@@ -68,17 +87,6 @@ class StepTrace:
     """Requests that finished in the step -> the kv_transfer_params the connector's finish hook returned."""
     rank_reports: list[RankReport] = field(default_factory=list)
     """Each rank's connector output for the batch processed in the step, before the ranks were aggregated."""
-
-
-@dataclass
-class Rank:
-    """One tensor-parallel rank: its worker-side connector, built and called under its own parallel state
-    (`VllmAdapter.at_rank`), with its own vLLM config (`parallel_config.rank`) and model-runner glue."""
-
-    index: int
-    vllm_config: Any
-    worker: Any = None
-    runner: Any = None
 
 
 @dataclass
@@ -249,6 +257,11 @@ class TransferSeam:
     need to run such a connector on CPU; what either observes is not the seam's business.
     """
 
+    in_rank_processes = True
+    """Whether the seam's worker side can be built in a rank process of its own (`RankWorker`): it prepares only that
+    process. A seam that holds the worker's transfers for the harness (the white-box adapters') keeps the ranks in
+    the adapter's process."""
+
     def capabilities(self) -> dict[str, Any]:
         """Return the capability fields the seam decides (policies, chunk sizes, failed transfers); none here."""
         return {}
@@ -291,6 +304,8 @@ class VllmAdapter(KVConnectorAdapter):
         self._config: EngineConfig | None = None
         self.scheduler: Any = None
         self.worker: Any = None
+        self.remote_ranks = False
+        """Whether this engine's ranks run in processes of their own (`RANKS`)."""
         self.rank: int | None = None
         """The rank whose worker runs now (`at_rank`), or None between them."""
 
@@ -317,10 +332,6 @@ class VllmAdapter(KVConnectorAdapter):
     def transfer_config(self) -> dict[str, Any]:
         """Return more `KVTransferConfig` fields (a connector's module path); by default none."""
         return {}
-
-    def worker_built(self, worker: Any) -> None:
-        """Adjust the worker-side connector before its KV caches are registered: the seam's worker, if it has one."""
-        self.seam.worker_built(worker)
 
     def complete_transfers(self, fail_loads: bool, fail_stores: bool) -> None:
         self.seam.complete_transfers(fail_loads, fail_stores)
@@ -382,12 +393,11 @@ class VllmAdapter(KVConnectorAdapter):
 
     @contextlib.contextmanager
     def at_rank(self, rank: int) -> Iterator[None]:
-        """Run rank `rank`'s worker: its KV bytes and transfers are the adapter's, and with more than one rank vLLM's
-        tensor-parallel getters answer its rank (`runtime.tensor_parallel_rank`)."""
+        """Run rank `rank`'s worker in this process: the KV bytes and transfers the seams find (`kv_tensors`,
+        `transfers`) are its."""
         self.rank = rank
         try:
-            with runtime.tensor_parallel_rank(rank, self.tensor_parallel_size):
-                yield
+            yield
         finally:
             self.rank = None
 
@@ -425,8 +435,12 @@ class VllmAdapter(KVConnectorAdapter):
             structured_output_manager=self.rt.structured.StructuredOutputManager(self.vllm_config),
             block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
         )
-        self.ranks = [self._build_rank(rank) for rank in range(ranks)]
-        self.worker = self.ranks[0].worker
+        self.remote_ranks = ranks > 1 and self.seam.in_rank_processes and ranks_in_processes()
+        self.ranks: list[Any] = (self._rank_processes(ranks) if self.remote_ranks else  # RankWorker or RankProcess
+                                 [self._build_rank(r) for r in range(ranks)])
+        if self.remote_ranks:
+            self.kv.ranks = list(self.ranks)  # the judge's bytes: each rank's heads, read from its process
+        self.worker = self.ranks[0].worker  # None in a rank process
         self.aggregator = self.output_aggregator() if ranks > 1 else None
         self.scheduler.finished_req_ids = FinishOrder()
         wrap(self.scheduler.connector, "get_num_new_matched_tokens", self._record_match)
@@ -441,18 +455,51 @@ class VllmAdapter(KVConnectorAdapter):
              lambda result: setattr(self, "gpu_cache_reset", result))
         self.attach()
 
-    def _build_rank(self, index: int) -> Rank:
-        """Build rank `index`'s worker-side connector as vLLM's worker process does, under its config and parallel
-        state, and register its KV tensor (its heads) with it."""
-        rank = Rank(index, rank_config(self.vllm_config, index) if self.tensor_parallel_size > 1 else self.vllm_config)
-        with self.at_rank(index), self.rt.config.set_current_vllm_config(rank.vllm_config):
-            self.seam.prepare_worker()
-            rank.worker = self.rt.factory.KVConnectorFactory.create_connector(
-                config=rank.vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER,
-                kv_cache_config=self.kv_cache_config)
-            self.worker_built(rank.worker)
-            rank.runner = runner_glue(self.rt, rank.vllm_config, rank.worker, {KV_LAYER: self.kv_tensors.gpu})
-        return rank
+    @property
+    def rank_worker(self) -> type[RankWorker]:
+        """The class of each rank's worker; a subclass adds what its adapter asks of the worker side."""
+        return RankWorker
+
+    def rank_role(self, index: int) -> str:
+        """Return the role of rank `index`'s process server: one per rank, reused by this process's engines in turn."""
+        return f"rank-{index}"
+
+    def start_rank_servers(self, ranks: int) -> list[processes.Server]:
+        """Return the servers of ranks 0 .. `ranks - 1`, started at once (each imports vLLM) and ready."""
+        servers = [processes.server(self.rank_role(index), f"the process of rank {index}",
+                                    "kvconform.adapters.vllm.engine:open_rank") for index in range(ranks)]
+        for server in servers:
+            server.wait_ready()
+        return servers
+
+    def _rank_processes(self, ranks: int) -> list[RankProcess]:
+        """Build each rank's worker (`rank_worker`) in its rank's process, with the rank's config and KV tensor."""
+        servers = self.start_rank_servers(ranks)
+        rows = self.store_slots(self.config) * self.config.block_size_factor
+        for index, server in enumerate(servers):
+            server.send("open", self.rank_worker, index, ranks, self.config, rows,
+                        rank_config(self.vllm_config, index), self.kv_cache_config, self.seam, list(sys.path))
+        rank_processes = [RankProcess(index, server) for index, server in enumerate(servers)]
+        answers(rank_processes, "open")
+        return rank_processes
+
+    def _build_rank(self, index: int) -> RankWorker:
+        """Build rank `index`'s worker (`rank_worker`) in this process, on the adapter's KV bytes and held transfers of
+        the rank."""
+        vllm_config = rank_config(self.vllm_config, index) if self.tensor_parallel_size > 1 else self.vllm_config
+        with self.at_rank(index):
+            return self.rank_worker(index, self.tensor_parallel_size, self.kv_tensors, self.transfers, vllm_config,
+                                    self.kv_cache_config, self.seam)
+
+    def close_ranks(self) -> None:
+        """Stop every rank's worker-side connector, as vLLM's workers do at shutdown; rank processes stay for the
+        next engine, and one that was lost has nothing left to stop."""
+        for rank in getattr(self, "ranks", ()):
+            if not self.remote_ranks:
+                with self.at_rank(rank.index):
+                    rank.close()
+            elif rank.server.alive:
+                rank.server.call("close")
 
     def _kv_cache_config(self, config: EngineConfig) -> Any:
         """Return a KVCacheConfig of one full-attention layer whose pages are the blocks of one rank's GPU KV tensor:
@@ -548,19 +595,14 @@ class VllmAdapter(KVConnectorAdapter):
         self.transfers.begin_step()
         self.observe_metadata(scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            outputs = [self._on_rank(rank, lambda r, given: r.runner.no_forward(given), scheduler_output)
-                       for rank in self.ranks]
+            outputs = self._on_ranks("no_forward", scheduler_output)
             reports = [self._rank_report(getattr(output, "kv_connector_output", None)) for output in outputs]
             return Batch(scheduler_output, self._aggregate(outputs), {}, reports)
-        runner_tokens = self._runner_tokens(scheduler_output)
-        sampled: dict[str, int] = {}
-
-        def forward() -> None:
-            self.trace.store_reads_in_flight |= self.transfers.store_reads()
-            sampled.update(self._forward(scheduler_output, runner_tokens))
-
-        connector_outputs = [self._on_rank(rank, lambda r, given: r.runner.around_forward(given, forward),
-                                           scheduler_output) for rank in self.ranks]
+        writes, sampled = self._forward(scheduler_output, self._runner_tokens(scheduler_output))
+        connector_outputs = []
+        for connector_output, store_reads in self._on_ranks("around_forward", scheduler_output, writes):
+            connector_outputs.append(connector_output)
+            self.trace.store_reads_in_flight |= store_reads
         req_ids = list(scheduler_output.num_scheduled_tokens)
         runner_outputs = [runtime.dataclass_kwargs(
             self.rt.outputs.ModelRunnerOutput, req_ids=req_ids,
@@ -570,16 +612,22 @@ class VllmAdapter(KVConnectorAdapter):
         reports = [self._rank_report(output) for output in connector_outputs]
         return Batch(scheduler_output, self._aggregate(runner_outputs), sampled, reports)
 
-    def _on_rank(self, rank: Rank, call: Callable[[Rank, Any], Any], scheduler_output: Any) -> Any:
-        """Return `call(rank, scheduler_output)` run as rank's worker: its connector is vLLM's KV transfer group
-        (`at_rank`). Past one rank each worker gets its own copy of the scheduler output, as `MultiprocExecutor`'s
-        broadcast queue pickles it to every worker process (`shm_broadcast.MessageQueue.enqueue`): a worker that
-        consumes its connector metadata leaves the other ranks' intact; one worker gets the object itself, as from
-        `UniProcExecutor`."""
-        given = scheduler_output if len(self.ranks) == 1 else pickle.loads(pickle.dumps(scheduler_output))
-        with self.at_rank(rank.index):
-            rank.runner.install()
-            return call(rank, given)
+    def _on_ranks(self, method: str, *args: Any) -> list[Any]:
+        """Return every rank's answer to `RankWorker.method(*args)`. Rank processes get the call at once, as
+        `MultiprocExecutor` broadcasts a step to its workers, each a pickled copy of the arguments
+        (`shm_broadcast.MessageQueue.enqueue`). Ranks here run in turn (`at_rank`), each with its own copy past one
+        rank, so that a worker that consumes its connector metadata leaves the other ranks' intact; one worker gets
+        the objects themselves, as from `UniProcExecutor`."""
+        if self.remote_ranks:
+            for rank in self.ranks:
+                rank.server.send(method, *args)
+            return answers(self.ranks, method)
+        results = []
+        for rank in self.ranks:
+            given = args if len(self.ranks) == 1 else pickle.loads(pickle.dumps(args))
+            with self.at_rank(rank.index):
+                results.append(getattr(rank, method)(*given))
+        return results
 
     def _aggregate(self, outputs: list[Any]) -> Any:
         """Return the runner output the scheduler gets: one worker's as it is (vLLM's `UniProcExecutor`), or rank 0's
@@ -602,9 +650,10 @@ class VllmAdapter(KVConnectorAdapter):
             tokens[request_id] = list(request.all_token_ids) + pending.get(request_id, [])
         return tokens
 
-    def _forward(self, scheduler_output: Any, runner_tokens: dict[str, list[int]]) -> dict[str, int]:
-        """Write every scheduled token's KV into its GPU block and sample at each sequence end (XFER-DATA-1/2)."""
-        sampled = {}
+    def _forward(self, scheduler_output: Any, runner_tokens: dict[str, list[int]]) -> tuple[list[Any], dict[str, int]]:
+        """Return the forward's writes, every scheduled token's KV rows for its GPU blocks (`KVTensors.write`'s
+        arguments: each rank writes its heads' columns), and the token sampled at each sequence end (XFER-DATA-1/2)."""
+        sampled, writes = {}, []
         block_size = self.config.block_size
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
@@ -613,12 +662,12 @@ class VllmAdapter(KVConnectorAdapter):
             start = end - num_new
             blocks = self.block_ids(request_id)
             states = self._token_states(request_id, tokens[:end])
-            self.kv_tensors.write(blocks, start, kv_content.kv_values(
-                states[start:end], self.config.token_width, self.kv.dtype))
+            writes.append((blocks, start, kv_content.kv_values(states[start:end], self.config.token_width,
+                                                               self.kv.dtype)))
             self.trace.forward_writes.update(blocks[start // block_size : -(-end // block_size)])
             if end == len(tokens):
                 sampled[request_id] = kv_content.next_token(states[end - 1])
-        return sampled
+        return writes, sampled
 
     def _token_states(self, request_id: str, tokens: list[int]) -> list[int]:
         spec = self.specs[request_id]
@@ -759,6 +808,102 @@ class VllmAdapter(KVConnectorAdapter):
     @abc.abstractmethod
     def jobs_in_flight(self) -> int:
         """Return the transfer jobs the connector still waits for."""
+
+
+class RankWorker:
+    """One tensor-parallel rank's worker, as vLLM's worker process holds it: its share of the KV heads (`kv`), its
+    worker-side connector built under the rank's config and parallel state (`runtime.tensor_parallel_rank`) with the
+    seam's preparation, and the model-runner glue that calls it as vLLM's attention layers do. It lives in the
+    adapter's process at one rank or with `--ranks in-process`, there with the adapter's held transfers of the rank
+    (`transfers`), else in a rank process of its own (`open_rank`, driven through `RankProcess`)."""
+
+    def __init__(self, index: int, ranks: int, kv: KVTensors, transfers: HeldTransfers | None, vllm_config: Any,
+                 kv_cache_config: Any, seam: TransferSeam) -> None:
+        self.rt = runtime.load()
+        self.index, self.ranks, self.kv, self.transfers = index, ranks, kv, transfers
+        with self.parallel_state(), self.rt.config.set_current_vllm_config(vllm_config):
+            seam.prepare_worker()
+            self.worker = self.rt.factory.KVConnectorFactory.create_connector(
+                config=vllm_config, role=self.rt.connector_base.KVConnectorRole.WORKER, kv_cache_config=kv_cache_config)
+            seam.worker_built(self.worker)
+            self.runner = runner_glue(self.rt, vllm_config, self.worker, {KV_LAYER: kv.gpu})
+
+    def parallel_state(self) -> contextlib.AbstractContextManager[None]:
+        """vLLM's tensor-parallel getters answering this rank."""
+        return runtime.tensor_parallel_rank(self.index, self.ranks)
+
+    def no_forward(self, scheduler_output: Any) -> Any:
+        """The model runner's step with no tokens scheduled: the connector's calls alone."""
+        with self.parallel_state():
+            self.runner.install()
+            return self.runner.no_forward(scheduler_output)
+
+    def around_forward(self, scheduler_output: Any, writes: list[Any]) -> tuple[Any, set[int]]:
+        """The model runner's step: the connector's calls around the forward, which writes this rank's columns of
+        `writes` (`KVTensors.write`'s arguments); return the connector output and the GPU blocks held stores still
+        read as the forward writes (XFER-SAFE-1)."""
+        store_reads: set[int] = set()
+
+        def forward() -> None:
+            store_reads.update(self.transfers.store_reads() if self.transfers is not None else ())
+            for write in writes:
+                self.kv.write(*write)
+
+        with self.parallel_state():
+            self.runner.install()
+            return self.runner.around_forward(scheduler_output, forward), store_reads
+
+    def read(self, gpu_blocks: list[int], num_tokens: int) -> torch.Tensor:
+        return self.kv.read(gpu_blocks, num_tokens)
+
+    def read_store(self, first_row: int, num_rows: int) -> torch.Tensor:
+        return self.kv.read_store(first_row, num_rows)
+
+    def close(self) -> None:
+        """Stop the connector's threads, as vLLM's worker does at shutdown."""
+        if self.worker is not None:
+            with self.parallel_state():
+                self.worker, worker = None, self.worker
+                worker.shutdown()
+
+
+def open_rank(worker_class: type[RankWorker], index: int, ranks: int, config: EngineConfig, store_rows: int,
+              vllm_config: Any, kv_cache_config: Any, seam: TransferSeam, path: list[str]) -> RankWorker:
+    """Build rank `index`'s worker in its rank process (a `processes.Server`), on a KV tensor of its own, the
+    connector's module found on the adapter's process's path."""
+    sys.path[:0] = [entry for entry in path if entry not in sys.path]
+    return worker_class(index, ranks, KVTensors(config, store_rows, index, ranks), None, vllm_config,
+                        kv_cache_config, seam)
+
+
+@dataclass
+class RankProcess:
+    """One tensor-parallel rank whose worker (`RankWorker`) runs in a process of its own: the adapter sends it the
+    step's calls, and the judge reads its heads' KV bytes from there."""
+
+    index: int
+    server: processes.Server
+    worker: Any = None
+
+    def read(self, gpu_blocks: list[int], num_tokens: int) -> torch.Tensor:
+        return self.server.call("read", list(gpu_blocks), num_tokens)
+
+    def read_store(self, first_row: int, num_rows: int) -> torch.Tensor:
+        return self.server.call("read_store", first_row, num_rows)
+
+
+def answers(ranks: list[RankProcess], method: str) -> list[Any]:
+    """Return each rank process's answer to the `method` call sent to all of them, or raise the first error once every
+    answer is read, so that none is left for the next call to find."""
+    results, errors = [], []
+    for rank in ranks:
+        try:
+            results.append(rank.server.answer(method))
+        except Exception as error:
+            errors.append(error)
+    if errors:
+        raise errors[0]
+    return results
 
 
 def rank_config(vllm_config: Any, rank: int) -> Any:

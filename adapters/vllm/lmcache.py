@@ -51,6 +51,9 @@ CHUNK_TOKENS = 16
 class LMCacheSeam(TransferSeam):
     """LMCacheConnectorV1 with its local CPU backend, in-process, copying with `TorchPagedCopy`."""
 
+    in_rank_processes = False
+    """Its close reaches into the worker-side connector in the adapter's process (LMCache runs at one rank)."""
+
     def __init__(self, adapter: VllmAdapter) -> None:
         if importlib.util.find_spec("lmcache") is None:
             raise AdapterNotFound(f"LMCacheConnectorV1 needs lmcache, which is not installed: {INSTALL}")

@@ -319,6 +319,10 @@ class OffloadingSeam(TransferSeam):
     its factory name, observing nothing: the vendor passes no code. Transfers finish when the harness completes them.
     """
 
+    in_rank_processes = False
+    """Its worker copies are the adapter's `HeldTransfers`, finished when the harness completes them: the ranks stay in
+    the adapter's process."""
+
     def __init__(self, adapter: VllmAdapter, on_manager: Callable[[Any], None] | None = None) -> None:
         self.adapter = adapter
         self.on_manager = on_manager

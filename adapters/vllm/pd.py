@@ -9,7 +9,7 @@ params the harness hands it to the consumer unchanged. NIXL moves the KV between
 through its UCX backend over loopback (`kvconform install-vllm 0.34.0 --nixl`): its transfers and its lease run on
 its own clock (`Capabilities.lease_seconds`).
 
-With `KVCONFORM_PD_PROCESSES=2` (`--pd-processes 2`) the producer runs in a process of its own (`EngineServer`), as a
+With `KVCONFORM_PD_PROCESSES=2` (`--pd-processes 2`) the producer runs in a process of its own (`producer_server`), as a
 deployment runs it: NIXL's side channel, handshake and reads then cross processes, and both engines' configs name one
 model directory, so that the handshake's compatibility check (its hash includes the model) stays under test.
 
@@ -19,18 +19,12 @@ so `cpu_platform()` gives it the CPU platform's identity (`CpuPlatformSeam`).
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib.util
 import itertools
 import os
-import pickle
 import random
 import socket
-import subprocess
-import sys
-import traceback
-from multiprocessing.connection import Connection
 from typing import Any, cast
 
 from pydantic import BaseModel
@@ -38,9 +32,9 @@ from pydantic import BaseModel
 from kvconform.adapters.contract import ImplementationFailure
 from kvconform.adapters.pair import EnginePair, merge
 from kvconform.adapters.registry import AdapterNotFound
-from kvconform.adapters.vllm import runtime
+from kvconform.adapters.vllm import processes, runtime
 from kvconform.adapters.vllm.connector import CONNECTOR, CONNECTOR_CONFIG, CONNECTOR_MANIFEST, VllmConnectorAdapter
-from kvconform.adapters.vllm.engine import TransferSeam
+from kvconform.adapters.vllm.engine import RankWorker, TransferSeam
 from kvconform.common.forwarding import forwarded_params, missing_fields
 from kvconform.common.values import (
     Capabilities,
@@ -68,11 +62,7 @@ parallel runs)."""
 
 PROCESSES = "KVCONFORM_PD_PROCESSES"
 """The processes the pair runs in: "1", both engines in this one (the default), or "2", the producer in a process of
-its own (`EngineServer`)."""
-
-REPLY_SECONDS = 300
-"""How long the producer's process may take to answer one call (a vLLM import under load, then an engine's start)
-before it counts as lost; the harness's own call deadline is shorter (CONF-CALL-2)."""
+its own (`producer_server`)."""
 
 LAYOUT = "LBHNC"
 """The KV-cache layout the NIXL worker asks for (`NixlConnector.get_required_kvcache_layout`), set on each engine's
@@ -133,14 +123,14 @@ class PDEngine(VllmConnectorAdapter):
     """One engine of the pair: `vllm-connector`'s, with an engine id, a side channel, and each request's params."""
 
     default_connector = DEFAULT_CONNECTOR
+    seam = CpuPlatformSeam()
 
     def __init__(self, engine_id: str) -> None:
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only, in the rank processes too
         # NIXL logs each agent it builds to standard output, from its import on (its level names: nixl/logging.py)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        super().__init__()
         self.engine_id = engine_id
-        self.seam = CpuPlatformSeam()
+        super().__init__()
         self.delayed: set[str] = set()
         """Finished requests whose free the connector delays, until it reports them in `finished_sending`."""
         self.engine_step = EngineStep(engine_id=engine_id, ranks=())
@@ -159,8 +149,16 @@ class PDEngine(VllmConnectorAdapter):
         super().start(config)
         connector = self.scheduler.connector
         connector.connector_scheduler.side_channel_port = free_port()
-        connector.set_xfer_handshake_metadata_pp_aware({(0, rank.index): rank.worker.get_handshake_metadata()
-                                                         for rank in self.ranks})
+        metadata = self._on_ranks("handshake_metadata")
+        connector.set_xfer_handshake_metadata_pp_aware({(0, index): rank for index, rank in enumerate(metadata)})
+
+    @property
+    def rank_worker(self) -> type[PDRankWorker]:
+        return PDRankWorker
+
+    def rank_role(self, index: int) -> str:
+        """Each engine of the pair has rank processes of its own."""
+        return f"{self.engine_id}-rank-{index}"
 
     def add_request(self, request: RequestSpec, kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Queue `request`, noting params of a remote prefill that lack a field (PD-PARAMS-2)."""
@@ -171,13 +169,11 @@ class PDEngine(VllmConnectorAdapter):
 
     def attach(self) -> None:
         """Turn the connector's failure on params a proxy forwarded malformed into PD-PARAMS-2, a verdict
-        (`failing_on_malformed_params`); and a worker's raise on a read into PD-FAIL-1 (`failing_reads`)."""
+        (`failing_on_malformed_params`); a worker's raise on a read is PD-FAIL-1 in its rank (`PDRankWorker`)."""
         super().attach()
         connector = self.scheduler.connector
         for name in ("update_state_after_alloc", "build_connector_meta"):
             setattr(connector, name, self.failing_on_malformed_params(name, getattr(connector, name)))
-        for rank in self.ranks:
-            rank.worker.start_load_kv = self.failing_reads(rank.worker.start_load_kv)
 
     def failing_on_malformed_params(self, name: str, hook: Any) -> Any:
         """Return the scheduler-side connector's `hook`, a raise in it while a remote prefill with params lacking a
@@ -198,21 +194,6 @@ class PDEngine(VllmConnectorAdapter):
 
         return call
 
-    @staticmethod
-    def failing_reads(start_load_kv: Any) -> Any:
-        """Return the worker's `start_load_kv`, a raise in it a PD-FAIL-1 verdict: a read that cannot be made must be
-        reported failed, not take the engine down (NIXL 0.34 asserts on remote blocks fewer than the consumer's,
-        `nixl/base_worker.py`:3910)."""
-
-        def reads(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return start_load_kv(*args, **kwargs)
-            except Exception as error:
-                raise ImplementationFailure("PD-FAIL-1", f"the consumer's start_load_kv raised {type(error).__name__} "
-                                                         f"{error} instead of reporting the read failed") from error
-
-        return reads
-
     def pair_step(self) -> tuple[StepObservation, EngineStep]:
         """Step the engine; return its observation and its connector facts for the pair's step."""
         return self.step(), self.engine_step
@@ -232,19 +213,53 @@ class PDEngine(VllmConnectorAdapter):
             forward_writes=frozenset(trace.forward_writes))
 
     def close(self) -> None:
-        """Stop the connector's threads and side channel, release NIXL's agents now (their UCX threads poll until the
-        agent is destroyed, and a failure's traceback keeps the engine alive through shrinking), then the engine."""
-        if self.scheduler is None:  # never started
-            return
+        """Stop the scheduler-side connector's side channel, then the ranks' workers (`PDRankWorker.close`) and the
+        engine."""
         try:
-            for connector in (self.scheduler.connector, *(rank.worker for rank in self.ranks)):
-                connector.shutdown()
+            if self.scheduler is not None:  # started
+                self.scheduler.connector.shutdown()
         finally:
-            for rank in self.ranks:
-                worker = getattr(rank.worker, "connector_worker", None)
-                if worker is not None and hasattr(worker, "nixl_wrapper"):
-                    worker.nixl_wrapper = None
             super().close()
+
+
+class PDRankWorker(RankWorker):
+    """A rank's worker of a pair's engine: a raise in its `start_load_kv` is a PD-FAIL-1 verdict (`failing_reads`), it
+    gives the scheduler its handshake metadata, and its close releases NIXL's agent."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.worker.start_load_kv = failing_reads(self.worker.start_load_kv)
+
+    def handshake_metadata(self) -> Any:
+        """The metadata the engine's side channel serves for this rank (vLLM's engine core collects it from every
+        worker, `EngineCore._set_kv_connector_handshake_metadata`)."""
+        return self.worker.get_handshake_metadata()
+
+    def close(self) -> None:
+        """Stop the connector's threads, then release NIXL's agent now: its UCX threads poll until the agent is
+        destroyed, and a failure's traceback keeps the worker alive through shrinking."""
+        worker = self.worker
+        try:
+            super().close()
+        finally:
+            nixl_worker = getattr(worker, "connector_worker", None)
+            if nixl_worker is not None and hasattr(nixl_worker, "nixl_wrapper"):
+                nixl_worker.nixl_wrapper = None
+
+
+def failing_reads(start_load_kv: Any) -> Any:
+    """Return a worker's `start_load_kv`, a raise in it a PD-FAIL-1 verdict: a read that cannot be made must be reported
+    failed, not take the engine down (NIXL 0.34 asserts on remote blocks fewer than the consumer's,
+    `nixl/base_worker.py`:3910)."""
+
+    def reads(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return start_load_kv(*args, **kwargs)
+        except Exception as error:
+            raise ImplementationFailure("PD-FAIL-1", f"the consumer's start_load_kv raised {type(error).__name__} "
+                                                     f"{error} instead of reporting the read failed") from error
+
+    return reads
 
 
 def renamed(value: Any, names: dict[str, str]) -> Any:
@@ -261,125 +276,12 @@ def renamed(value: Any, names: dict[str, str]) -> Any:
     return value
 
 
-class EngineProcessLost(RuntimeError):
-    """The producer's process exited, or did not answer a call in time."""
-
-
-class EngineServer:
-    """A process of its own that builds and drives the pair's producer engine for this process's adapters, one engine
-    at a time (`serve`). It is started once, as vLLM's import takes seconds, with this process's model directory
-    (`runtime.MODEL_DIRECTORY`), and replaced when it exits or a call to it does not end with its answer. It is a
-    plain interpreter, not a multiprocessing spawn, which would import this process's main script again; in a session
-    of its own, an interrupt is this process's to handle, and it ends when this process closes the connection. Calls
-    and answers are plainly pickled: a tensor by value (multiprocessing's pickler shares it only with a process of its
-    own making)."""
-
-    def __init__(self, model_directory: str) -> None:
-        ours, theirs = socket.socketpair()
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from kvconform.adapters.vllm.pd import serve; "
-                                   "serve(int(sys.argv[1]), sys.argv[2])",
-             str(theirs.fileno()), model_directory],
-            pass_fds=(theirs.fileno(),), start_new_session=True)
-        theirs.close()
-        self.connection = Connection(ours.detach())
-        self.answer("vLLM's import")
-
-    def call(self, method: str, *args: Any) -> Any:
-        """Call `method` of the process's engine ("open" builds one) and return its result, or raise what it raised,
-        with the process's traceback as a note."""
-        try:
-            self.connection.send_bytes(pickle.dumps((method, args)))
-        except OSError:
-            self.stop()
-            raise EngineProcessLost(f"the producer's process exited (code {self.process.returncode}) before "
-                                    f"{method}") from None
-        return self.answer(method)
-
-    def answer(self, method: str) -> Any:
-        """Return what the process answers to `method`, or raise it."""
-        try:
-            if not self.connection.poll(REPLY_SECONDS):
-                raise EngineProcessLost(f"the producer's process did not answer {method} within {REPLY_SECONDS}s")
-            outcome, value, trace = pickle.loads(self.connection.recv_bytes())
-        except (EOFError, OSError):
-            self.stop()
-            raise EngineProcessLost(f"the producer's process exited (code {self.process.returncode}) during "
-                                    f"{method}") from None
-        except BaseException:  # no answer in time, or the harness's deadline: the engine's state is unknown
-            self.stop()
-            raise
-        if outcome == "raised":
-            value.add_note(f"raised in the producer's process:\n{trace}")
-            raise value
-        return value
-
-    @property
-    def alive(self) -> bool:
-        """Whether the process runs and its connection is open."""
-        return not self.connection.closed and self.process.poll() is None
-
-    def stop(self) -> None:
-        """End the process: its engine's state is unknown, or this process exits."""
-        self.connection.close()
-        self.process.terminate()
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-_servers: list[EngineServer] = []
-
-
-def engine_server() -> EngineServer:
-    """Return this process's engine server, starting one if there is none alive."""
-    if not (_servers and _servers[-1].alive):
-        if not _servers:
-            atexit.register(stop_server)
-        _servers[:] = [EngineServer(runtime.load().model_config.model)]
-    return _servers[-1]
-
-
-def stop_server() -> None:
-    """End this process's engine server, if one is alive, as this process exits."""
-    if _servers and _servers[-1].alive:
-        _servers[-1].stop()
-
-
-def serve(descriptor: int, model_directory: str) -> None:
-    """The producer's process: build and drive one engine at a time as the calls on the connection `descriptor` say,
-    each answered with what it returned or raised, until the adapter's process closes the connection."""
-    connection = Connection(descriptor)
-    os.environ[runtime.MODEL_DIRECTORY] = model_directory
-    engine: PDEngine | None = None
-    method = "load"  # the first answer: vLLM imported
-    args: tuple[Any, ...] = ()
-    while True:
-        try:
-            if method == "load":
-                runtime.load()
-                value = None
-            elif method == "open":
-                if engine is not None:
-                    engine.close()
-                engine, value = open_engine(*args), None
-            else:
-                value = getattr(engine, method)(*args)
-            reply = ("returned", value, "")
-        except BaseException as error:
-            reply = ("raised", error, traceback.format_exc())
-        try:
-            connection.send_bytes(pickle.dumps(reply))
-        except Exception as error:  # what it returned or raised does not pickle
-            connection.send_bytes(pickle.dumps(("raised", EngineProcessLost(f"{method}'s outcome cannot be sent back: "
-                                                                            f"{type(error).__name__}: {error}"),
-                                                reply[2])))
-        try:
-            method, args = pickle.loads(connection.recv_bytes())
-        except EOFError:  # the adapter's process closed it, or exited
-            return
+def producer_server(model_directory: str | None = None) -> processes.Server:
+    """Return this process's server of the pair's producer engine, started if none is alive with `model_directory`,
+    by default the one this process's engines name (`runtime.MODEL_DIRECTORY`: across processes the handshake's
+    compatibility hash includes the model)."""
+    return processes.server("producer", "the producer's process", "kvconform.adapters.vllm.pd:open_engine",
+                            {runtime.MODEL_DIRECTORY: model_directory or runtime.load().model_config.model})
 
 
 def open_engine(engine_id: str, environment: dict[str, str | None]) -> PDEngine:
@@ -393,14 +295,14 @@ def open_engine(engine_id: str, environment: dict[str, str | None]) -> PDEngine:
 
 
 class ProducerProcess:
-    """The pair's producer engine in this process's `EngineServer`, with the `PDEngine` calls the pair makes."""
+    """The pair's producer engine in this process's `producer_server`, with the `PDEngine` calls the pair makes."""
 
     ENVIRONMENT = (CONNECTOR, CONNECTOR_CONFIG, CONNECTOR_MANIFEST)
     """What names the connector, passed to the engine when it is built."""
 
     def __init__(self, engine_id: str) -> None:
         """Build the engine in the process (started first if there is none: outside any call's deadline)."""
-        self.server = engine_server()
+        self.server = producer_server()
         self.call("open", engine_id, {variable: os.environ.get(variable) for variable in self.ENVIRONMENT})
         self.requests: set[str] = set()
 
@@ -444,14 +346,14 @@ class VllmPDAdapter(EnginePair):
     name = "vllm-pd"
 
     def __init__(self) -> None:
-        processes = os.environ.get(PROCESSES, "1")
-        if processes not in ("1", "2"):
-            raise AdapterNotFound(f"{PROCESSES} must be 1 or 2, not {processes!r}")
+        count = os.environ.get(PROCESSES, "1")
+        if count not in ("1", "2"):
+            raise AdapterNotFound(f"{PROCESSES} must be 1 or 2, not {count!r}")
         consumer = PDEngine("decode-engine")
         if "Nixl" in consumer.connector_name and importlib.util.find_spec("nixl") is None:
             raise AdapterNotFound(f"{consumer.connector_name} needs the NIXL wheels, which are not installed: "
                                   f"{INSTALL}")
-        producer = PDEngine("prefill-engine") if processes == "1" else ProducerProcess("prefill-engine")
+        producer = PDEngine("prefill-engine") if count == "1" else ProducerProcess("prefill-engine")
         self.engines = {"producer": producer, "consumer": consumer}
         self.lease_seconds = float(consumer.connector_config.get("kv_lease_duration", LEASE_SECONDS))
         """The producer's lease, on the connector's clock (PD-LEASE-1)."""

@@ -187,13 +187,13 @@ TENSOR_PARALLEL_GETTERS = ("get_tensor_model_parallel_rank", "get_tensor_model_p
 
 
 class NeedsProcessGroup(RuntimeError):
-    """A connector asked for its tensor-parallel process group (`get_tp_group`) while several ranks run in one
-    process: there is no real group to give it."""
+    """A connector asked for its tensor-parallel process group (`get_tp_group`) with several ranks: the kit's ranks,
+    in one process or in rank processes, have no real group to give it."""
 
 
 def _no_process_group() -> Any:
     raise NeedsProcessGroup("the connector calls get_tp_group(): it needs a real tensor-parallel process group, which "
-                            "the kit's ranks in one process do not have; run it with --tensor-parallel-size 1")
+                            "the kit's ranks do not have; run it with --tensor-parallel-size 1")
 
 
 @contextlib.contextmanager

@@ -100,6 +100,10 @@ class SimpleCPUSeam(TransferSeam):
     the SimpleCPUOffloadConnector named by its factory name, observing nothing. Transfers finish when the harness
     completes them."""
 
+    in_rank_processes = False
+    """Its worker copies are the adapter's `HeldTransfers`, finished when the harness completes them: the ranks stay in
+    the adapter's process."""
+
     def __init__(self, adapter: VllmAdapter) -> None:
         self.adapter = adapter
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -164,16 +165,11 @@ class RankedKV:
     rank's columns back into `[tokens, token_width]` rows, so the byte checks judge all ranks at once."""
 
     def __init__(self, config: EngineConfig, store_rows: int, ranks: int) -> None:
-        self.ranks = [KVTensors(config, store_rows, rank, ranks) for rank in range(ranks)]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.ranks[0].gpu.dtype
-
-    @property
-    def page_bytes(self) -> int:
-        """Return the bytes of one GPU block of one rank: the page each rank's KV cache spec sizes."""
-        return self.ranks[0].page_bytes
+        self.ranks: list[Any] = [KVTensors(config, store_rows, rank, ranks) for rank in range(ranks)]
+        """Each rank's KV bytes: its `KVTensors`, or its process's (`engine.RankProcess`, which reads them there)."""
+        self.dtype: torch.dtype = self.ranks[0].gpu.dtype
+        self.page_bytes: int = self.ranks[0].page_bytes
+        """The bytes of one GPU block of one rank: the page each rank's KV cache spec sizes."""
 
     def write(self, gpu_blocks: Sequence[int], start: int, rows: torch.Tensor) -> None:
         for kv in self.ranks:
