@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvconform.benchmarks import counterexample, scaling, throughput, transfer, vendor, workers
+from kvconform.benchmarks import connectors, counterexample, scaling, throughput, transfer, vendor, workers
 from kvconform.benchmarks.figures import BenchReport, Figure, Progress, build_report
 from kvconform.conformance.mutants import MUTANTS
 
@@ -24,6 +24,7 @@ class Settings:
     scaling: scaling.ScalingSettings = field(default_factory=scaling.ScalingSettings)
     workers: workers.WorkersSettings = field(default_factory=workers.WorkersSettings)
     vendor: vendor.VendorSettings = field(default_factory=vendor.VendorSettings)
+    connectors: connectors.ConnectorsSettings = field(default_factory=connectors.ConnectorsSettings)
 
 
 BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
@@ -33,6 +34,7 @@ BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
     scaling.NAME: lambda settings, progress: scaling.measure(settings.scaling, progress),
     workers.NAME: lambda settings, progress: workers.measure(settings.workers, progress),
     vendor.NAME: lambda settings, progress: vendor.measure(settings.vendor, progress),
+    connectors.NAME: lambda settings, progress: connectors.measure(settings.connectors, progress),
 }
 """Benchmark name → how to run it; the issue's order."""
 

@@ -433,8 +433,8 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
 
 @main.command("bench")
 @click.option("--only", default=None, metavar="NAMES",
-              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling, workers, vendor "
-                   "(default: all)")
+              help="Comma-separated benchmarks: throughput, counterexample, transfer, scaling, workers, vendor, "
+                   "connectors (default: all)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("kvconform-bench.json"), show_default=True, help="Write every figure as JSON here")
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,
@@ -442,8 +442,8 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
 @click.option("--mutants", default=None, metavar="NAMES",
               help="Comma-separated mutants for the counterexample benchmark (default: the whole catalogue)")
 def bench_command(only: str | None, json_path: Path, seeds: int, mutants: str | None) -> None:
-    """Measure harness throughput, time to counterexample, transfer bandwidth, scaling and the speed-up across
-    workers; print a table."""
+    """Measure harness throughput, time to counterexample, transfer bandwidth, scaling, the speed-up across workers,
+    a vendor's verdict time and real connectors' judged steps beside the reference's; print a table."""
     import dataclasses
 
     from kvconform.benchmarks import figures, suite

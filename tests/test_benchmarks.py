@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from faulty_adapters import faulty, raising
-from kvconform.benchmarks import counterexample, scaling, suite, throughput, transfer, vendor, workers
+from kvconform.benchmarks import connectors, counterexample, scaling, suite, throughput, transfer, vendor, workers
 from kvconform.cli import main
 from kvconform.conformance.mutants import MUTANTS, Mutant
 from kvconform.conformance.profiles import PROFILES, Profile
@@ -30,8 +30,10 @@ TINY = dict(
     workers=workers.WorkersSettings(workers=(1,), profile="smoke", catalogue_profile="smoke",
                                     mutants=("skip-flag-ignored",)),
     vendor=vendor.VendorSettings(connector="tests.no_such_connector:Nope", scenarios=("tenant-isolation",)),
+    connectors=connectors.ConnectorsSettings(profile="bench-test", connectors=("ExampleConnector",)),
 )
-"""The vendor benchmark's commands are refused before vLLM's import (an unknown module): four processes, no run."""
+"""The vendor benchmark's commands are refused before vLLM's import (an unknown module): four processes, no run. The
+connectors benchmark runs ExampleConnector where vLLM is installed, and says why not where it is not."""
 
 COUNTS = {"requests", "fraction"}
 """Units whose figures may be 0: a counterexample may need no request, a share may be nothing."""

@@ -21,6 +21,8 @@ import os
 import pickle
 import re
 import sys
+import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +61,14 @@ def ranks_in_processes() -> bool:
     if mode not in RANK_MODES:
         raise AdapterNotFound(f"{RANKS} must be one of {', '.join(RANK_MODES)}, not {mode!r}")
     return mode == "processes"
+
+SCHEDULER = "vLLM's scheduler"
+"""`VllmAdapter.seconds`: vLLM's `Scheduler` calls, the connector's scheduler side and the adapter's recording hooks
+in them included."""
+
+WORKERS = "the worker side"
+"""`VllmAdapter.seconds`: the ranks' calls — the worker-side connector, the model-runner glue, the forward's writes,
+and the round trips to rank processes."""
 
 FINISH_HOOKS = ("request_finished", "request_finished_all_groups")
 """The connector's finish hooks, one of which the scheduler calls per finished request: `request_finished_all_groups`
@@ -308,6 +318,9 @@ class VllmAdapter(KVConnectorAdapter):
         """Whether this engine's ranks run in processes of their own (`RANKS`)."""
         self.rank: int | None = None
         """The rank whose worker runs now (`at_rank`), or None between them."""
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        """Where the adapter's calls spent their time (`timed`): in vLLM's scheduler (`SCHEDULER`) and on the ranks'
+        worker side (`WORKERS`); `kvconform bench` reports the split."""
 
     @property
     def config(self) -> EngineConfig:
@@ -390,6 +403,15 @@ class VllmAdapter(KVConnectorAdapter):
         every rank, reported it."""
         aggregator = self.rt.load("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator
         return aggregator.from_connector(self.scheduler.connector, self.tensor_parallel_size)
+
+    @contextlib.contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the context's wall time to `seconds[part]`."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.perf_counter() - started
 
     @contextlib.contextmanager
     def at_rank(self, rank: int) -> Iterator[None]:
@@ -533,10 +555,12 @@ class VllmAdapter(KVConnectorAdapter):
         self.requests[request.request_id] = self.rt.request.Request(
             request_id=request.request_id, prompt_token_ids=list(request.prompt), sampling_params=sampling,
             pooling_params=None, lora_request=lora, cache_salt=request.cache_salt, block_hasher=self.block_hasher)
-        self.scheduler.add_request(self.requests[request.request_id])
+        with self.timed(SCHEDULER):
+            self.scheduler.add_request(self.requests[request.request_id])
 
     def abort(self, request_id: str) -> None:
-        aborted = self.scheduler.finish_requests(request_id, self.rt.request.RequestStatus.FINISHED_ABORTED)
+        with self.timed(SCHEDULER):
+            aborted = self.scheduler.finish_requests(request_id, self.rt.request.RequestStatus.FINISHED_ABORTED)
         self.trace.finished += [getattr(item, "request_id", None) or item[0] for item in aborted]
 
     def preempt(self, request_id: str) -> None:
@@ -584,7 +608,8 @@ class VllmAdapter(KVConnectorAdapter):
 
     def _schedule(self) -> Any:
         """`Scheduler.schedule`; the finished-request set it starts afresh keeps finish order (`FinishOrder`)."""
-        scheduler_output = self.scheduler.schedule()
+        with self.timed(SCHEDULER):
+            scheduler_output = self.scheduler.schedule()
         self.scheduler.finished_req_ids = FinishOrder()
         return scheduler_output
 
@@ -618,16 +643,17 @@ class VllmAdapter(KVConnectorAdapter):
         (`shm_broadcast.MessageQueue.enqueue`). Ranks here run in turn (`at_rank`), each with its own copy past one
         rank, so that a worker that consumes its connector metadata leaves the other ranks' intact; one worker gets
         the objects themselves, as from `UniProcExecutor`."""
-        if self.remote_ranks:
+        with self.timed(WORKERS):
+            if self.remote_ranks:
+                for rank in self.ranks:
+                    rank.server.send(method, *args)
+                return answers(self.ranks, method)
+            results = []
             for rank in self.ranks:
-                rank.server.send(method, *args)
-            return answers(self.ranks, method)
-        results = []
-        for rank in self.ranks:
-            given = args if len(self.ranks) == 1 else pickle.loads(pickle.dumps(args))
-            with self.at_rank(rank.index):
-                results.append(getattr(rank, method)(*given))
-        return results
+                given = args if len(self.ranks) == 1 else pickle.loads(pickle.dumps(args))
+                with self.at_rank(rank.index):
+                    results.append(getattr(rank, method)(*given))
+            return results
 
     def _aggregate(self, outputs: list[Any]) -> Any:
         """Return the runner output the scheduler gets: one worker's as it is (vLLM's `UniProcExecutor`), or rank 0's
@@ -678,7 +704,8 @@ class VllmAdapter(KVConnectorAdapter):
         reports (chapter `connector-level`) from the runner output it processes."""
         self._record_connector_output(getattr(batch.runner_output, "kv_connector_output", None))
         self.trace.rank_reports = batch.rank_reports
-        outputs = self.scheduler.update_from_output(batch.scheduler_output, batch.runner_output)
+        with self.timed(SCHEDULER):
+            outputs = self.scheduler.update_from_output(batch.scheduler_output, batch.runner_output)
         for engine_outputs in outputs.values():
             self.trace.finished += [o.request_id for o in engine_outputs.outputs if o.finish_reason is not None]
 
