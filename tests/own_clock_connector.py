@@ -5,8 +5,8 @@ Loads and saves complete on background threads after a random latency, as LMCach
 complete them, only step the engine while they run, as vLLM's engine core does. Asynchronous loads are reported by
 `get_finished` — some in the very step that started them. The store is CPU block KV keyed by the request's tenant
 (cache_salt, LoRA name) and the token prefix the block ends, never evicted; the scheduler side and the worker side of
-one engine share it through the `shared_storage_path` the adapter gives each engine, as two processes would share a
-store server. A save copies the block's bytes when the forward ends and makes them readable later; a request with a
+one engine share it through the `shared_storage_path` the adapter gives each engine, a file per block, in whatever
+processes they run. A save copies the block's bytes when the forward ends and makes them readable later; a request with a
 save scheduled delays its free until the worker has written every save of it. With tensor parallelism each rank's
 worker keeps its own share of the heads under its rank, and a block is a hit once every rank has saved it.
 
@@ -17,10 +17,13 @@ The twins each put one bug back, and each is killed by its clause (`tests/test_o
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,27 +57,33 @@ class OwnClockMetadata(KVConnectorMetadata):
 
 
 class Store:
-    """Block KV by rank and key, shared by one engine's two sides; thread-safe."""
+    """Block KV by rank and key in one engine's `shared_storage_path`, a file per block, shared by the engine's
+    scheduler side and its ranks' workers in whatever processes they run; a block appears whole (written, then
+    renamed into place)."""
 
-    def __init__(self) -> None:
-        self.blocks: dict[tuple[int, Key], dict[str, torch.Tensor]] = {}
-        self.lock = threading.Lock()
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def path(self, rank: int, key: Key) -> Path:
+        return self.directory / f"{rank}-{hashlib.sha256(repr(key).encode()).hexdigest()}.pt"
+
+    def put(self, rank: int, key: Key, block: dict[str, torch.Tensor]) -> None:
+        path = self.path(rank, key)
+        partial = path.with_name(f"{path.name}.{threading.get_ident()}.partial")
+        torch.save(block, partial)
+        os.replace(partial, path)
+
+    def get(self, rank: int, key: Key) -> dict[str, torch.Tensor]:
+        return torch.load(self.path(rank, key))
 
     def leading_hits(self, keys: list[Key], ranks: int) -> int:
         """Return how many of `keys`, from the first, every one of `ranks` ranks has saved."""
-        with self.lock:
-            return next((i for i, key in enumerate(keys) if any((rank, key) not in self.blocks
-                                                                 for rank in range(ranks))), len(keys))
-
-
-STORES: dict[str, Store] = {}
-_STORES_LOCK = threading.Lock()
+        return next((i for i, key in enumerate(keys) if any(not self.path(rank, key).exists()
+                                                             for rank in range(ranks))), len(keys))
 
 
 def store_of(vllm_config: Any) -> Store:
-    path = vllm_config.kv_transfer_config.get_from_extra_config("shared_storage_path", "")
-    with _STORES_LOCK:
-        return STORES.setdefault(path, Store())
+    return Store(vllm_config.kv_transfer_config.get_from_extra_config("shared_storage_path", ""))
 
 
 class OwnClockConnector(KVConnectorBase_V1):
@@ -249,8 +258,7 @@ class OwnClockConnector(KVConnectorBase_V1):
         self.report_loaded(load)
 
     def copy(self, load: Transfer) -> None:
-        with self.store.lock:
-            blocks = [self.store.blocks[self.rank, key] for key in load.keys]
+        blocks = [self.store.get(self.rank, key) for key in load.keys]
         for name, kv in self.layers.items():
             kv[load.block_ids] = torch.stack([block[name] for block in blocks])
 
@@ -259,9 +267,8 @@ class OwnClockConnector(KVConnectorBase_V1):
             self.loaded.append(load.request_id)
 
     def save(self, save: Transfer, copies: dict[str, torch.Tensor]) -> None:
-        with self.store.lock:
-            for index, key in enumerate(save.keys):
-                self.store.blocks[self.rank, key] = {name: rows[index] for name, rows in copies.items()}
+        for index, key in enumerate(save.keys):
+            self.store.put(self.rank, key, {name: rows[index].clone() for name, rows in copies.items()})
         with self.lock:
             self.saves_pending[save.request_id] -= 1
 
