@@ -1,7 +1,9 @@
 """The exercise table: how often a run drew each situation whose window is short, per scheduling mode (CONF-CAP-1).
 
-A situation is a call made while the engine is in a given state: an abort while the request's load is in flight, a
-failed store while stores are in flight, a prefix-cache reset while loads are in flight. Each is supported by the
+A situation is a call made while the engine is in a given state: a step while a load is in flight (a run that never
+draws one never saw an external hit served, and every clause about loads held vacuously), an abort while the
+request's load is in flight, a failed store while stores are in flight, a prefix-cache reset while loads are in
+flight. Each is supported by the
 adapters whose capabilities allow its call; a situation an adapter supports that a run never draws in a mode it
 runs is a gap in the kit's strategies, not in the adapter.
 """
@@ -42,6 +44,9 @@ def _fails(call: Call, transfers: str) -> bool:
 
 
 SITUATIONS = (
+    Situation("step with a load in flight",
+              lambda call, state: call.operation == "step" and bool(state.loading()),
+              lambda capabilities: True),
     Situation("abort during a load",
               lambda call, state: call.operation == "abort" and call.args[0] in state.loading(),
               lambda capabilities: capabilities.abort),
