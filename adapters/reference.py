@@ -53,7 +53,7 @@ class ReferenceAdapter(KVConnectorAdapter):
         return KIT_VERSION
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(complete_in_step=True, reads_stored_kv=True)
+        return Capabilities(complete_in_step=True, reads_stored_kv=True, levels=("connector", "offloading", "events"))
 
     def start(self, config: EngineConfig) -> None:
         self._engine = self.build_engine(config, self.device)

@@ -224,6 +224,12 @@ class StepObservation(_Frozen):
                                                             "step (get_finished's sending ids)")
     # The disaggregated level (chapter `disaggregated`): a pair's step is both engines' step; the fields above are the
     # union of the two engines' (request ids are unique across them), this one each engine's connector facts.
+    # The events level (chapter `kv-events`): what the engine published for KV-aware routers in this step.
+    kv_events: tuple[Any, ...] = Field((), exclude_if=lambda value: not value,
+                                       description="the KV events the engine published in this step, in order: one "
+                                                   "batch, each event a mapping with its `type` "
+                                                   "(`kvconform.common.kv_events`), parsed by the judge "
+                                                   "(EVT-FORMAT-1); empty from an adapter not of the events level")
     disaggregated: DisaggregatedStep | None = Field(None, exclude_if=lambda value: value is None,
                                                     description="each engine's connector facts, from an adapter "
                                                                 "of the disaggregated level; None from any other")
@@ -245,12 +251,13 @@ class ResourceUsage(_Frozen):
     unfinished_requests: int = Field(ge=0)
 
 
-SpecLevel = Literal["connector", "offloading", "disaggregated"]
+SpecLevel = Literal["connector", "offloading", "disaggregated", "events"]
 """The levels of the spec: what every KVConnectorBase_V1 must do (`connector`), and the deeper rules of
 OffloadingManager-style connectors (`offloading`); an adapter that reports the offloading level's observations
 is judged at both. `disaggregated` (chapter 09, P/D connectors): an adapter of a producer/consumer pair of engines
 (`KVConnectorAdapter.prefill`, `decode`, `StepObservation.disaggregated`) is judged at this level alone, as the pair
-is not one engine."""
+is not one engine. `events` (chapter 10): an adapter that reports the KV events its engine publishes
+(`StepObservation.kv_events`) is judged on them too; one that publishes none leaves it out."""
 
 VARIANTS = ("offer_at_finish", "flush_on_hit", "flush_all_on_preemption", "lookup_after_failed_load",
             "local_hit_after_failed_load", "restart_offers_on_lookup", "arc_t1_fallback", "defer_stores",

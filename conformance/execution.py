@@ -84,6 +84,12 @@ class RunStatistics(BaseModel):
     adapter_seconds: float = Field(0.0, description="time in the adapter's calls")
     reference_seconds: float = Field(0.0, description="time in the reference engine stepped alongside")
     checks_seconds: float = Field(0.0, description="time in the checks")
+    router_lookups: int = Field(0, description="lookups the router model predicted from the adapter's KV events "
+                                               "(EVT-ROUTE-1)")
+    router_blocks_predicted: int = Field(0, description="blocks of those lookups' hits the router held when they "
+                                                        "were served (EVT-ROUTE-1)")
+    router_blocks_served: int = Field(0, description="blocks of those lookups' hits the engine served: local and "
+                                                     "external; any not predicted is a silent block, which fails")
     execution_seconds: float = Field(0.0, description="time building adapters and running programs' calls, engines "
                                                       "and checks included; the rest of a run is Hypothesis's rule "
                                                       "selection, draws and preconditions, and the state machine's own")
@@ -405,6 +411,10 @@ class Execution:
 
     def finding(self, clause: str, detail: str) -> None:
         self.session.findings.setdefault(clause, detail)
+
+    def tally(self, figure: str, count: int) -> None:
+        statistics = self.session.statistics
+        setattr(statistics, figure, getattr(statistics, figure) + count)
 
     # --- judging -----------------------------------------------------------------------------
 

@@ -249,6 +249,11 @@ NEVER_RULES_OUT: dict[str, tuple[str, ...]] = {"delays_free": ("KVC-FREE-1",), "
 exercised for it; the judge fails the clause if the connector does it after all (KVC-FREE-1, KVC-FAIL-1)."""
 
 
+LEVEL_ABSENT: dict[str | None, str] = {"events": "the adapter reports no KV events: its capabilities' levels lack "
+                                                  "'events' (chapter kv-events)"}
+"""Why a level's clauses are not applicable to an adapter that does not report it, where more is to say than that."""
+
+
 LEVEL_RULES: dict[str, SpecLevel] = {"CONF-OBS-2": "offloading"}
 """Rules of judging (chapter 07) that bind only one level's observations: BlockRefs name offloaded blocks, which only
 an adapter judged at the offloading level reports (CONF-OBS-2)."""
@@ -259,7 +264,8 @@ def not_applicable(capabilities: Capabilities, levels: Iterable[SpecLevel]) -> d
     judge, those its manifest rules out (what it never does) and the rules of judging of a level the run did not
     judge. Their verdict, unexercised, is "not applicable", which certifying does not require (CONF-CERT-1)."""
     judged = set(levels)
-    return ({clause.id: f"a clause of the {clause.spec_level} level, which this run did not judge"
+    return ({clause.id: (LEVEL_ABSENT[clause.spec_level] if clause.spec_level in LEVEL_ABSENT else
+                         f"a clause of the {clause.spec_level} level, which this run did not judge")
              for clause in registry.clauses().values() if clause.spec_level not in (None, *judged)}
             | {clause: f"the manifest declares never: {never}, which the judge verifies"
                for never in capabilities.never for clause in NEVER_RULES_OUT[never]}

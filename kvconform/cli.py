@@ -254,6 +254,11 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
     console.print(f"levels judged: {', '.join(run_report.levels) or 'none'}; certified: "
                   f"{', '.join(run_report.certified_levels) or 'none'}"
                   + (f"; not applicable: {', '.join(ruled_out)}" if ruled_out else ""), highlight=False)
+    statistics = run_report.statistics
+    if statistics.router_lookups:  # the events level (chapter kv-events)
+        console.print(f"router model: {statistics.router_lookups} lookups predicted from the KV events, "
+                      f"{statistics.router_blocks_predicted} blocks held, {statistics.router_blocks_served} served"
+                      + ("" if run_report.passed else " (until the failure)"), highlight=False)
     if run_report.outcome == "ok":
         console.print(f"[green]conformant[/] in {run_report.seconds:.1f}s, {run_report.statistics.steps} steps judged"
                       + (f", {run_report.statistics.steps_after_known_failure} of them after a known failure"

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvconform.common.kv_events import MEDIUM_CPU
 from kvconform.common.values import EngineConfig
+from kvconform.reference.kv_events import Event, block_removed, block_stored
 from kvconform.reference.offload_manager import OffloadKey, OffloadManager
 from kvconform.reference.recorder import StepRecorder
 from kvconform.reference.request import Request, RequestStatus
@@ -126,6 +128,9 @@ class OffloadConnectorScheduler:
         self.pending_loads: list[TransferJob] = []
         self.pending_flushes: set[int] = set()
         self.key_origin: dict[OffloadKey, tuple[str, int]] = {}
+        self.event_payloads: dict[OffloadKey, Event] = {}
+        """Each offload key ever stored -> the BlockStored that announces it, taken while its request is known (vLLM's
+        `OffloadingEventsTracker.record_store`); its BlockRemoved names the same hashes."""
         self.store_differs_since: str | None = None
         """Why the followed engine's store may hold or order other blocks than this one since a declined deviation: a
         victim it evicted otherwise is that deviation's consequence (OFF-LRU-1, OFF-ARC-1); None after a reset."""
@@ -369,7 +374,23 @@ class OffloadConnectorScheduler:
         self.recorder.stores.append((state.request.request_id, job.offload_indices))
         for index, key in stored:
             self.key_origin.setdefault(key, (state.request.request_id, index))
+            self.event_payloads[key] = block_stored(state.request, index * self.factor, self.factor, MEDIUM_CPU)
         return job
+
+    def take_events(self) -> list[Event]:
+        """Return the store's events since the last call as KV events on the CPU medium, in order: a BlockStored per
+        offloaded block made readable, a BlockRemoved of the same GPU-block hashes per one evicted (EVT-STORE-1,
+        EVT-REMOVE-1, OFF-MGR-9); a key no store job of this connector wrote (a manager driven directly) is not
+        announced."""
+        events: list[Event] = []
+        for event in self.manager.take_events():
+            announced = [self.event_payloads[key] for key in event.keys if key in self.event_payloads]
+            if event.removed and announced:
+                events.append(block_removed([bytes.fromhex(h) for e in announced for h in e["block_hashes"]],
+                                            MEDIUM_CPU))
+            elif not event.removed:
+                events += announced
+        return events
 
     def update_connector_output(self, output: ConnectorOutput) -> ConnectorUpdate:
         """Apply finished jobs: which loads ended, and which finished requests may now be freed (CONN-STEP-4)."""

@@ -338,6 +338,10 @@ class PairSide(ABC, Generic[Connector]):
     def offload_keys(self, request: Request) -> list[bytes]:
         return []
 
+    def take_events(self) -> list[dict]:
+        """Nothing is offloaded: no connector events (chapter `kv-events`)."""
+        return []
+
     # --- the worker side, alike for both ---------------------------------------------------------------------
 
     def start_load_kv(self, meta: object) -> None:

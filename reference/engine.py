@@ -80,6 +80,9 @@ class ConnectorScheduler(Protocol):
     def reset_cache(self) -> None: ...
     def offload_keys(self, request: Request) -> list[bytes]: ...
 
+    def take_events(self) -> list[dict[str, Any]]:
+        """Return the connector's KV events since the last call, in order (chapter `kv-events`)."""
+
 
 class ConnectorWorker(Protocol):
     """The engine's connector seam, worker side: what the model runner asks of its connector around the forward."""
@@ -156,6 +159,8 @@ class StepResult:
     reports: ConnectorReports = field(default_factory=ConnectorReports)
     preempted: set[str] = field(default_factory=set)
     facts: StepFacts = field(default_factory=StepFacts)
+    kv_events: list[dict[str, Any]] = field(default_factory=list)
+    """The step's batch of KV events: the block pool's, then the connector's (chapter `kv-events`)."""
 
 
 class SchedulingPolicy(Protocol):
@@ -447,9 +452,15 @@ class Engine:
             self._process(previous)
         facts.sampled_in_flight = {} if self.in_flight is None else self.in_flight.sampled
         result = StepResult(scheduled, self._computed_tokens(), self.recorder.take(), self._step_finished,
-                            self._step_freed, writes, reads_in_flight, self._step_reports, preempted, facts)
+                            self._step_freed, writes, reads_in_flight, self._step_reports, preempted, facts,
+                            self.take_events())
         self._step_finished, self._step_freed, self._step_reports = [], [], ConnectorReports()
         return result
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Return the step's batch of KV events, as vLLM's scheduler publishes it: the block pool's, then the
+        connector's (EVT-ORDER-1)."""
+        return self.kv.pool.take_events() + self.connector.take_events()
 
     def has_work(self) -> bool:
         """Return True while a request is unfinished (waiting or running), unfreed or finished since the last step,

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from kvconform.common.kv_events import MEDIUM_GPU
 from kvconform.reference.errors import InvalidCall
 from kvconform.reference.hashing import BlockHash
+from kvconform.reference.kv_events import Event, all_blocks_cleared, block_removed, block_stored
 from kvconform.reference.request import Request
 
 NULL_BLOCK_ID = 0
@@ -25,6 +27,8 @@ class BlockPool:
         """Block → the hash it was cached under; only cached blocks are keys, so a reset is O(cached)."""
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[BlockHash, dict[int, None]] = {}
+        self.events: list[Event] = []
+        """The KV events not yet published: each block cached, evicted or cleared (chapter `kv-events`)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,6 +94,7 @@ class BlockPool:
             return False
         self.block_hash.clear()
         self.cached.clear()
+        self.events.append(all_blocks_cleared())  # EVT-CLEAR-1
         return True
 
     def _uncache(self, block_id: int) -> None:
@@ -99,6 +104,12 @@ class BlockPool:
             del holders[block_id]
             if not holders:
                 del self.cached[block_hash]
+            self.events.append(block_removed([block_hash], MEDIUM_GPU))  # EVT-REMOVE-1
+
+    def take_events(self) -> list[Event]:
+        """Return the events since the last call, in order (EVT-ORDER-1)."""
+        events, self.events = self.events, []
+        return events
 
 
 class KVCacheManager:
@@ -168,8 +179,23 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks within its first `num_tokens` tokens (PFX-HIT-2)."""
         owned = self.req_blocks.get(request.request_id, [])
+        new: list[int] = []
         for index in range(min(num_tokens // self.block_size, len(request.block_hashes), len(owned))):
+            if owned[index] not in self.pool.block_hash:
+                new.append(index)
             self.pool.cache(owned[index], request.block_hashes[index])
+        self.announce(request, new)
+
+    def announce(self, request: Request, indices: list[int]) -> None:
+        """Publish the blocks just cached, one BlockStored per run of consecutive blocks (EVT-STORE-1)."""
+        runs: list[list[int]] = []
+        for index in indices:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            self.pool.events.append(block_stored(request, run[0], len(run), MEDIUM_GPU))
 
     def free(self, request_id: str) -> list[int]:
         """Release a request's blocks, tail first so they are evicted first (PFX-EVICT-1)."""

@@ -65,6 +65,7 @@ class Observer:
             loads_failed=tuple(result.reports.loads_failed),
             free_delayed=tuple(result.reports.free_delayed),
             saves_finished=tuple(result.reports.saves_finished),
+            kv_events=tuple(result.kv_events),
         )
 
     def block_ref(self, key: bytes) -> BlockRef:

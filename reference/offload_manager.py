@@ -305,7 +305,10 @@ class OffloadManager:
             self.events.append(StoreEvent(stored, removed=False))
 
     def reset(self) -> None:
-        """Forget every block (OFF-MGR-8)."""
+        """Forget every block (OFF-MGR-8), the readable ones announced removed (EVT-CLEAR-1)."""
+        readable = [key for key, block in self.policy.contents() if block.is_ready]
+        if readable:
+            self.events.append(StoreEvent(readable, removed=True))
         self.policy.clear()
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.num_evictable = 0

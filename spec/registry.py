@@ -37,6 +37,7 @@ CODE = re.compile(r"`([^`]+)`")
 CONNECTOR_LEVEL_CHAPTER = "08-connector-level.md"
 CONFORMANCE_CHAPTER = "07-conformance.md"
 DISAGGREGATED_CHAPTER = "09-disaggregated.md"
+EVENTS_CHAPTER = "10-kv-events.md"
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,14 @@ class Clause:
     @property
     def spec_level(self) -> str | None:
         """Return the spec level the clause belongs to: "connector" (chapter 08), "disaggregated" (chapter 09),
-        "offloading" (chapters 01 – 06), or None for the rules of judging itself (chapter 07), which hold at every
-        level."""
+        "offloading" (chapters 01 – 06), "events" (chapter 10), or None for the rules of judging itself (chapter 07),
+        which hold at every level."""
         if self.chapter == CONFORMANCE_CHAPTER:
             return None
         if self.chapter == DISAGGREGATED_CHAPTER:
             return "disaggregated"
+        if self.chapter == EVENTS_CHAPTER:
+            return "events"
         return "connector" if self.chapter == CONNECTOR_LEVEL_CHAPTER else "offloading"
 
 

@@ -132,6 +132,12 @@ FAULTS: dict[str, tuple[Callable[[], Any], str, str]] = {
     "close-raises": (faulty("close", raising, after=0), "CONF-CALL-1", "adapter.close()"),
     "step-returns-dict": (faulty("step", lambda o: o.model_dump()), "CONF-OBS-1", "adapter.step()"),
     "step-returns-none": (faulty("step", lambda o: None), "CONF-OBS-1", "adapter.step()"),
+    "event-of-unknown-type": (faulty("step", lambda o: o.model_copy(update={
+        "kv_events": (*o.kv_events, {"type": "BlockEvicted", "block_hashes": ["ab" * 16]})})),
+        "EVT-FORMAT-1", "unknown event type 'BlockEvicted'"),
+    "removal-never-announced": (faulty("step", lambda o: o.model_copy(update={
+        "kv_events": (*o.kv_events, {"type": "BlockRemoved", "block_hashes": ["ab" * 16], "medium": "CPU"})})),
+        "EVT-ORDER-1", "not announced there"),
     "step-negative-tokens": (faulty("step", negative_tokens), "CONF-OBS-1", "scheduled_tokens"),
     "step-unknown-request": (faulty("step", unknown_request), "SCHED-STEP-2", "adapter.step(): scheduled tokens"),
     "step-stores-missing-block": (faulty("step", store_of_missing_block), "OFF-STORE-2", "adapter.step(): StoreJob"),

@@ -6,8 +6,8 @@ complete them, only step the engine while they run, as vLLM's engine core does. 
 `get_finished` — some in the very step that started them. The store is CPU block KV keyed by the request's tenant
 (cache_salt, LoRA name) and the token prefix the block ends, never evicted; the scheduler side and the worker side of
 one engine share it through the `shared_storage_path` the adapter gives each engine, a file per block, in whatever
-processes they run. A save copies the block's bytes when the forward ends and makes them readable later; a request with a
-save scheduled delays its free until the worker has written every save of it. With tensor parallelism each rank's
+processes they run. A save copies the block's bytes when the forward ends and makes them readable later; a request
+with a save scheduled delays its free until the worker has written every save of it. With tensor parallelism each rank's
 worker keeps its own share of the heads under its rank, and a block is a hit once every rank has saved it.
 
     kvconform run --adapter vllm-connector --connector tests.own_clock_connector:OwnClockConnector

@@ -12,6 +12,7 @@ from kvconform.common.values import EngineConfig, RequestSpec
 from kvconform.conformance import runner
 from kvconform.conformance.execution import Call, Execution, Session, replay
 from kvconform.conformance.judging.connector import MASKED_FAULTS, ConnectorJudge
+from kvconform.conformance.judging.events import EventsJudge
 from kvconform.conformance.judging.offloading import OffloadingJudge
 from kvconform.conformance.mutants import MUTANTS, FinishesEarlyEngine, black_box
 from kvconform.reference.engine import Engine
@@ -92,7 +93,7 @@ def test_both_levels_are_judged_the_deeper_first() -> None:
     execution = Execution(Session(ReferenceAdapter))
     execution.begin()
     execution.apply(Call("start", (EngineConfig(),)))
-    assert [type(judge) for judge in execution.judges] == [OffloadingJudge, ConnectorJudge]
+    assert [type(judge) for judge in execution.judges] == [OffloadingJudge, ConnectorJudge, EventsJudge]
 
 
 def test_the_offloading_judge_follows_the_reference_it_is_given() -> None:

@@ -184,7 +184,7 @@ def test_a_supported_situation_never_drawn_is_named() -> None:
 def test_run_time_coverage_counts_the_must_clauses_of_the_judged_levels() -> None:
     """The run-time coverage: the MUST clauses of the judged levels and the rules of judging, split into those judged at
     run time (by verdict) and the model-only ones; a connector-level adapter counts only its level's."""
-    for adapter, levels in ((ReferenceAdapter, {"connector", "offloading"}),
+    for adapter, levels in ((ReferenceAdapter, {"connector", "offloading", "events"}),
                             (black_box(ReferenceAdapter), {"connector"})):
         result = runner.run(adapter, "reference", "smoke")
         coverage = build(result, "x", Capabilities()).run_time_coverage

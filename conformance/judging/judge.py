@@ -129,6 +129,9 @@ class Run(Protocol):
     def finding(self, clause: str, detail: str) -> None:
         """Report a fault the engine masked as a finding of `clause`, not a failure; the first one per clause stays."""
 
+    def tally(self, figure: str, count: int) -> None:
+        """Add `count` to one of the run's figures (`RunStatistics`: the router model's, chapter `kv-events`)."""
+
 
 class EngineState(Protocol):
     """Where the engine's requests are, as a judge follows them: for the state machine's preconditions and the drain."""

@@ -11,12 +11,15 @@ from collections.abc import Callable
 from kvconform.common.values import Capabilities, EngineConfig, SpecLevel
 from kvconform.conformance.judging.connector import ConnectorJudge
 from kvconform.conformance.judging.disaggregated import DisaggregatedJudge
+from kvconform.conformance.judging.events import EventsJudge
 from kvconform.conformance.judging.judge import CHECKS, Judge, Run
 from kvconform.conformance.judging.offloading import OffloadingJudge
 
 JUDGES: dict[SpecLevel, Callable[[Run, EngineConfig], Judge]] = {
-    "disaggregated": DisaggregatedJudge, "offloading": OffloadingJudge, "connector": ConnectorJudge}
-"""Each spec level's judge, the deeper level first: a failure it finds names the block and the cause."""
+    "disaggregated": DisaggregatedJudge, "offloading": OffloadingJudge, "connector": ConnectorJudge,
+    "events": EventsJudge}
+"""Each spec level's judge, the deeper level first: a failure it finds names the block and the cause; the events
+level's last, as what a router is told follows from what the engine did."""
 
 
 def judged_levels(capabilities: Capabilities) -> set[SpecLevel]:

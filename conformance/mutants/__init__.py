@@ -21,6 +21,7 @@ from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
 from kvconform.common.values import Capabilities, EngineConfig, SpecLevel
 from kvconform.conformance.mutants import disaggregated as pd
+from kvconform.conformance.mutants import events as evt
 from kvconform.reference.connector import NO_DEVIATIONS, OffloadConnectorScheduler, OffloadConnectorWorker
 from kvconform.reference.engine import Engine, OwnPolicy
 from kvconform.reference.hashing import block_hashes
@@ -790,5 +791,18 @@ MUTANTS = {
     "pd-reads-wrong-blocks": pair_row(pd.ReadsWrongBlocksConsumer, "#28951 (on the P/D read)", "PD-DATA-1"),
     "pd-aggregates-one-rank": pair_row(pd.OneRankConsumer, "#19330", "PD-TP-1"),
     "pd-failed-read-lost-in-aggregation": pair_row(pd.ForgetsFailureConsumer, "#52232", "PD-TP-1", "PD-FAIL-1"),
+    # the events level: what the engine tells KV-aware routers (chapter `kv-events`)
+    "events-sparse-store": row(evt.SparseStoreEventsConnector, "#44488", "EVT-CHAIN-1"),
+    "events-eviction-not-announced": row(evt.EvictionNotAnnouncedManager, "LMCache #5076", "EVT-REMOVE-1"),
+    "events-rank-doubled": row(evt.RankEventsDoubledConnector, "#49689", "EVT-ONCE-1"),
+    "events-rank-lost": row(evt.RankEventsLostConnector, "#53129", "EVT-STORE-1"),
+    "events-hash-without-salt": row(evt.SaltlessEventsKVCacheManager, "cache_salt in BlockStored.extra_keys",
+                                    "EVT-HASH-1", "EVT-ROUTE-1", "EVT-ORDER-1"),
+    "events-announced-at-prepare": row(evt.AnnouncedAtPrepareConnector, "Dynamo #12643", "EVT-TIME-1",
+                                       "EVT-REMOVE-1"),
+    "events-gpu-eviction-silent": row(evt.SilentEvictionKVCacheManager, "block_pool.py BlockRemoved contract",
+                                      "EVT-ROUTE-1"),
+    "events-store-reset-silent": row(evt.ResetNotAnnouncedManager, "v1/kv_offload/cpu/manager.py reset_cache",
+                                     "EVT-CLEAR-1"),
 }
 """Mutant name → catalogue row: first the vLLM bug catalogue of the design notes, then contract and integrity faults."""
