@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconform.conformance.judging.judge import CHECKS
+from kvconform.conformance.judging.judge import CHECKS, check
 from kvconform.conformance.judging.levels import run_time_clauses
 from kvconform.spec.registry import SpecFormatError, chapters, clauses, parse_chapter, spec_version
 
@@ -250,3 +250,17 @@ def test_overview_lists_every_chapter_and_its_clause_ids():
         starts = tuple(prefix.removesuffix("*") for prefix in re.findall(r"[A-Z]+(?:-[A-Z]+)*-\*", prefixes))
         unlisted = sorted(c.id for c in CLAUSES.values() if c.chapter == name and not c.id.startswith(starts))
         assert not unlisted, f"spec/00-overview.md, Chapters: {name} lists {prefixes}, not {unlisted}"
+
+
+def test_a_second_check_of_a_name_already_registered_is_refused() -> None:
+    """A check is known by its name: one from another module under a taken name would replace the first unseen (the
+    events level's first `check_lookups` silently dropped the offloading level's), so registering it raises."""
+    taken = next(iter(CHECKS.values()))
+
+    def planted(*args: object) -> None:
+        """A check under a taken name."""
+
+    planted.__name__ = taken.name
+    with pytest.raises(ValueError, match=f"two checks are named {taken.name}"):
+        check(*taken.clauses, kind=taken.kind)(planted)
+    assert CHECKS[taken.name] is taken

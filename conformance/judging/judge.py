@@ -66,9 +66,14 @@ CHECKS: dict[str, Check] = {}
 
 
 def check(*clauses: str, kind: Kind) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Register a check of `kind` for `clauses`; its first docstring line says what it verifies."""
+    """Register a check of `kind` for `clauses`; its first docstring line says what it verifies. A check is known by
+    its name: a second module's check of the same name would replace the first unseen, so it is refused."""
 
     def register(function: Callable[..., None]) -> Callable[..., None]:
+        known = CHECKS.get(function.__name__)
+        if known is not None and known.function.__module__ != function.__module__:
+            raise ValueError(f"two checks are named {function.__name__}: in {known.function.__module__} and in "
+                             f"{function.__module__}")
         doc = (function.__doc__ or "").strip().splitlines()[0]
         CHECKS[function.__name__] = Check(function.__name__, clauses, kind, function, doc)
         checks_of.cache_clear()
