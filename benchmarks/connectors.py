@@ -11,12 +11,12 @@ its observation. vLLM's import happens before the clock starts.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.reference import ReferenceAdapter
@@ -79,22 +79,6 @@ def _measure(factory: Callable[[], KVConnectorAdapter], name: str, profile: str)
                     {part: seconds / result.seconds for part, seconds in parts.items()})
 
 
-@contextlib.contextmanager
-def _connector(spec: str) -> Iterator[None]:
-    """Name `spec` as the connector `vllm-connector` builds (`KVCONFORM_CONNECTOR`) for as long as the context lasts."""
-    from kvconform.adapters.vllm.connector import CONNECTOR
-
-    before = os.environ.get(CONNECTOR)
-    os.environ[CONNECTOR] = spec
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(CONNECTOR, None)
-        else:
-            os.environ[CONNECTOR] = before
-
-
 def measure(settings: ConnectorsSettings, progress: Progress) -> list[Figure]:
     """Return the reference's judged engine steps/s, each connector's and its ratio to the reference's, and the split
     of each connector's run."""
@@ -107,21 +91,20 @@ def measure(settings: ConnectorsSettings, progress: Progress) -> list[Figure]:
                                  note="not measured: vLLM is not installed (kvconform install-vllm 0.24.0)")
                           for spec in settings.connectors]
     runtime.load()  # vLLM's import, before any clock
-    from kvconform.adapters.vllm.connector import VllmConnectorAdapter
+    from kvconform.adapters.vllm.connector import CONNECTOR, VllmConnectorAdapter
+    from kvconform.adapters.vllm.pd import DEFAULT_CONNECTOR, INSTALL, VllmPDAdapter
 
     runs: list[tuple[str, str, str, Callable[[], KVConnectorAdapter]]] = [
         (spec, spec, "vllm-connector", VllmConnectorAdapter) for spec in settings.connectors]
     if importlib.util.find_spec("nixl") is None:
-        figures.append(Figure(benchmark=NAME, figure="NixlConnector pair steps/s", value=None, unit="steps/s",
-                              note="not measured: the NIXL wheels are not installed here (kvconform install-vllm "
-                                   "0.34.0 --nixl, then kvconform bench in that environment)"))
+        figures.append(Figure(benchmark=NAME, figure=f"{DEFAULT_CONNECTOR} pair steps/s", value=None, unit="steps/s",
+                              note=f"not measured: the NIXL wheels are not installed here ({INSTALL}, then "
+                                   "kvconform bench in that environment)"))
     else:
-        from kvconform.adapters.vllm.pd import DEFAULT_CONNECTOR, VllmPDAdapter
-
         runs.append((f"{DEFAULT_CONNECTOR} pair", DEFAULT_CONNECTOR, "vllm-pd", VllmPDAdapter))
     for label, spec, adapter, factory in runs:
         progress(f"{NAME}: {adapter} {spec}, profile {settings.profile}")
-        with _connector(spec):
+        with mock.patch.dict(os.environ, {CONNECTOR: spec}):  # the connector vllm-connector builds, for this run
             measured = _measure(factory, adapter, settings.profile)
         figures += [
             Figure(benchmark=NAME, figure=f"{label} steps/s", value=measured.steps_per_second, unit="steps/s",
