@@ -61,6 +61,12 @@ class Entry:
         """The entry as the report names it: its clause, and its cause when it has one."""
         return self.clause if self.cause is None else f"{self.clause} /{self.cause.pattern}/"
 
+    @property
+    def line(self) -> str:
+        """The entry as a known-failures file writes it (`parse` reads it back)."""
+        cause = "" if self.cause is None else f" /{self.cause.pattern.replace('/', chr(92) + '/')}/"
+        return f"{self.clause}{' [rare]' * self.rare}{cause}: {self.reason}"
+
     def matches(self, violation: ClauseViolation) -> bool:
         return violation.clause == self.clause and (self.cause is None or bool(self.cause.search(violation.detail)))
 

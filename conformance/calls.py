@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.common.values import Capabilities, EngineConfig, ResourceUsage, StepObservation, StoreSnapshot
 from kvconform.conformance.judging.judge import ClauseViolation
+from kvconform.conformance.recording import Recorder
 
 DEFAULT_CALL_TIMEOUT = 30.0
 """Seconds one adapter call may take before its outcome is reported as unknown (CONF-CALL-2)."""
@@ -47,18 +48,26 @@ class AdapterHung(BaseException):
 
     clause = "CONF-CALL-2"
 
-    def __init__(self, call: str, timeout: float, trace: list[str]) -> None:
-        super().__init__(f"[CONF-CALL-2] {call} did not return within {timeout:g}s; outcome unknown")
-        self.detail = f"{call} did not return within {timeout:g}s; outcome unknown"
+    def __init__(self, call: str, timeout: float | None, trace: list[str]) -> None:
+        self.detail = (f"{call} did not return within {timeout:g}s; outcome unknown" if timeout is not None else
+                       f"{call} has no recorded outcome: the trace ends inside the call; outcome unknown")
+        super().__init__(f"[CONF-CALL-2] {self.detail}")
         self.trace = trace
+
+
+def call_text(operation: str, args: tuple[Any, ...]) -> str:
+    """Return an adapter call as Python, as failures and hangs name it."""
+    return f"adapter.{operation}({', '.join(map(repr, args))})"
 
 
 class AdapterCaller:
     """Calls one adapter, recording every call: a failure is reported with the calls that led to it."""
 
-    def __init__(self, timeout: float | None) -> None:
+    def __init__(self, timeout: float | None, recorder: Recorder | None = None) -> None:
         self.adapter: KVConnectorAdapter | None = None
         self.timeout = timeout
+        self.recorder = recorder
+        """Where every call and its outcome are recorded, for a run that writes a trace."""
         self.config: EngineConfig | None = None
         self.trace: list[str] = []
         self.hung = False
@@ -68,34 +77,52 @@ class AdapterCaller:
         """Build the adapter under the failure rules of any call (CONF-CALL-1) but without the call timeout: building
         may import a whole engine (vLLM: 26 – 99 s measured on a busy 2-core machine), which is no hang
         (CONF-CALL-2)."""
-        self.adapter = self._invoke("adapter = factory()", factory, timed=False)
+        self.adapter = self._invoke("adapter = factory()", "build", (), factory, timed=False)
         return self.adapter
 
     def __call__(self, operation: str, *args: Any) -> Any:
         """Return the adapter's validated answer to `operation(*args)` (CONF-CALL-1, CONF-CALL-2, CONF-OBS-1)."""
-        call = f"adapter.{operation}({', '.join(map(repr, args))})"
-        value = self._invoke(call, lambda: getattr(self.adapter, operation)(*args))
+        call = call_text(operation, args)
+        value = self._invoke(call, operation, args, lambda: getattr(self.adapter, operation)(*args))
         if operation == "start":
             self.config = args[0]
         return self.validated(call, operation, value)
 
-    def _invoke(self, call: str, function: Callable[[], Any], timed: bool = True) -> Any:
+    def _invoke(self, call: str, operation: str, args: tuple[Any, ...], function: Callable[[], Any],
+                timed: bool = True) -> Any:
+        """Return what `function`, the adapter's `operation(*args)`, returns, recording the call and its outcome."""
         self.trace.append(call)
+        if self.recorder is not None:
+            self.recorder.call(operation, args)
         started = time.perf_counter()
+        try:
+            value = self._answer(call, function, timed)
+        except AdapterHung:
+            self.hung = True
+            if self.recorder is not None:
+                self.recorder.hung(self.timeout)
+            raise
+        except ClauseViolation as violation:
+            if self.recorder is not None:
+                self.recorder.raised(violation)
+            raise
+        finally:
+            self.seconds += time.perf_counter() - started
+        if self.recorder is not None:
+            self.recorder.returned(value, time.perf_counter() - started)
+        return value
+
+    def _answer(self, call: str, function: Callable[[], Any], timed: bool) -> Any:
+        """Return what `function` returns; its raise fails its clause (CONF-CALL-1), its hang CONF-CALL-2."""
         try:
             with _deadline(self.timeout if timed else None, call, self.trace):
                 return function()
-        except AdapterHung:
-            self.hung = True
-            raise
         except ImplementationFailure as failure:
             raise ClauseViolation(failure.clause, f"{call}: the implementation failed: {failure}",
-                                  adapter_traceback="".join(traceback.format_exception(failure))) from failure
+                                  adapter_traceback=adapter_traceback(failure)) from failure
         except (Exception, SystemExit) as error:  # an adapter calling sys.exit must not end the run
             raise ClauseViolation("CONF-CALL-1", f"{call} raised {type(error).__name__}: {error}",
-                                  adapter_traceback="".join(traceback.format_exception(error))) from error
-        finally:
-            self.seconds += time.perf_counter() - started
+                                  adapter_traceback=adapter_traceback(error)) from error
 
     def validated(self, call: str, operation: str, value: Any) -> Any:
         """Return `value` if it is what the contract says `operation` returns, else fail CONF-OBS-1."""
@@ -123,6 +150,12 @@ class AdapterCaller:
         if kv.dim() != 2 or kv.shape[1] != width or kv.dtype != dtype:
             raise ClauseViolation("CONF-OBS-1", f"{call} returned a {kv.dtype} tensor of shape {tuple(kv.shape)}, "
                                                 f"expected {dtype} rows of width {width}")
+
+
+def adapter_traceback(error: BaseException) -> str:
+    """Return the traceback of an adapter's exception: as it was recorded, for one a trace replays (`recorded_
+    traceback`), else its own."""
+    return getattr(error, "recorded_traceback", None) or "".join(traceback.format_exception(error))
 
 
 def _short(value: object, limit: int = 300) -> str:

@@ -37,6 +37,7 @@ from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, Ada
 from kvconform.conformance.judging.judge import ClauseViolation, EngineState, Judge, Kind, checks_of
 from kvconform.conformance.judging.levels import judges_for
 from kvconform.conformance.operations import Call
+from kvconform.conformance.recording import Recorder
 from kvconform.reference.engine import Engine
 from kvconform.reference.errors import InvalidCall
 
@@ -130,6 +131,10 @@ class Session:
     as happens with a connector on its own clock (CONF-RUN-3)."""
     capabilities: Capabilities | None = None
     """What the adapter claimed to support, as the latest execution read it (CONF-CAP-1)."""
+    recorder: Recorder | None = None
+    """Where the run's executions record what they do, for a run that writes a trace (`--record-trace`)."""
+    clock: Callable[[], float] = time.monotonic
+    """The run's clock: when a step was called (a lease's start), a drain's deadline; a checked trace's, its reads."""
 
     @property
     def adapter_capabilities(self) -> Capabilities:
@@ -141,7 +146,8 @@ class Session:
 
 def drain_steps(harness_completes: bool, timeout: float, *, busy: Callable[[], bool],
                 idle: Callable[[ResourceUsage], bool], complete: Callable[[], None],
-                step: Callable[[], StepObservation], usage: Callable[[], ResourceUsage]) -> tuple[ResourceUsage, str]:
+                step: Callable[[], StepObservation], usage: Callable[[], ResourceUsage],
+                clock: Callable[[], float] = time.monotonic) -> tuple[ResourceUsage, str]:
     """Step until the engine is idle; return the resource usage it ended with and how long the drain waited.
 
     Where the harness completes transfers (`harness_completes`), `complete` completes every one before each step, for
@@ -149,12 +155,12 @@ def drain_steps(harness_completes: bool, timeout: float, *, busy: Callable[[], b
     engine as vLLM's engine core does while requests wait for remote KV, until it is idle or `timeout` seconds have
     passed, and what it waited says so (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1). It steps while `busy`, then, asking the
     adapter's `usage` after each step, until `idle` by it: on its own schedule only the adapter knows its pending
-    saves."""
-    started = time.perf_counter()
+    saves. On the connector's clock the deadline is read from `clock`."""
+    started = 0.0 if harness_completes else clock()
     steps = 0
 
     def waiting() -> bool:
-        return steps < DRAIN_STEP_LIMIT if harness_completes else time.perf_counter() - started < timeout
+        return steps < DRAIN_STEP_LIMIT if harness_completes else clock() - started < timeout
 
     def one_step() -> None:
         nonlocal steps
@@ -172,7 +178,7 @@ def drain_steps(harness_completes: bool, timeout: float, *, busy: Callable[[], b
         one_step()
         current = usage()
     waited = (f"{steps} drain steps with every transfer completed" if harness_completes else
-              f"{steps} drain steps over {time.perf_counter() - started:.2f} s on the connector's own clock (drain "
+              f"{steps} drain steps over {clock() - started:.2f} s on the connector's own clock (drain "
               f"deadline {timeout:g} s)")
     return current, waited
 
@@ -199,7 +205,9 @@ class Execution:
         self.exercise: exercise.Table = session.exercise if coverage is None else {}
         """Where the situations drawn are counted: the session's, but for a replay, whose calls a run has counted."""
         self.mode: exercise.Mode = "sync"
-        self.caller = AdapterCaller(session.call_timeout)
+        self.replaying = coverage is not None
+        """Whether the execution re-runs a program the run has judged (a shrink's replay), uncounted."""
+        self.caller = AdapterCaller(session.call_timeout, session.recorder)
         self.judges: list[Judge] = []
         """One per level judged, the deeper level first; built at `start`."""
         self._state: EngineState | None = None
@@ -241,6 +249,8 @@ class Execution:
 
     def begin(self) -> Capabilities:
         """Build the adapter and return what it claims to support (CONF-CAP-1)."""
+        if self.session.recorder is not None:
+            self.session.recorder.example(self.replaying)
         with self.executing():
             self.caller.build(self.session.adapter_factory)
             self.capabilities = self.session.capabilities = self.call("capabilities")
@@ -301,6 +311,8 @@ class Execution:
     def apply(self, call: Call) -> None:
         """Run `call` on the adapter and have every judge judge it; raise ClauseViolation on a failure."""
         self.program.append(call)
+        if self.session.recorder is not None:
+            self.session.recorder.operation(call)
         if self._state is not None:
             exercise.note(self.exercise, self.mode, call, self.state)
         try:
@@ -346,7 +358,7 @@ class Execution:
         self.call("decode", spec, prefill_id, *([] if override is None else [override]))
 
     def _step(self, complete_transfers: TransferOutcome | None = None) -> StepObservation:
-        self.step_called = time.monotonic()
+        self.step_called = self.now()
         actual = self.call("step", *([] if complete_transfers is None else [complete_transfers]))
         self.observations.append(actual)
         if actual.disaggregated is not None:
@@ -388,7 +400,7 @@ class Execution:
         usage, waited = drain_steps(self.capabilities.harness_completes_transfers, self.session.drain_timeout,
                                     busy=self.state.busy, idle=self.state.idle,
                                     complete=lambda: self._complete_transfers(False, False), step=self._step,
-                                    usage=lambda: self.call("resource_usage"))
+                                    usage=lambda: self.call("resource_usage"), clock=self.now)
         for judge in self.judges:
             judge.drained(usage, waited)
 
@@ -396,6 +408,12 @@ class Execution:
 
     def reference_engine(self, config: EngineConfig) -> Engine:
         return self.session.reference(config)
+
+    def now(self) -> float:
+        now = self.session.clock()
+        if self.session.recorder is not None:
+            self.session.recorder.clock(now)
+        return now
 
     def timed_reference(self, seconds: float) -> None:
         self.session.statistics.reference_seconds += seconds

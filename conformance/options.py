@@ -19,13 +19,18 @@ from hypothesis.database import ExampleDatabase
 
 from kvconform.adapters.contract import KVConnectorAdapter
 from kvconform.adapters.registry import AdapterNotFound, available, resolve
+from kvconform.common.trace import TraceError
 from kvconform.common.values import Capabilities
+from kvconform.common.version import KIT_VERSION
 from kvconform.conformance import baseline, examples, report, runner
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterCaller, AdapterHung
 from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT
 from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.machine import Scheduling
+from kvconform.conformance.playback import Trace, TraceMismatch
 from kvconform.conformance.profiles import DEFAULT_PROFILE, PROFILES, Shard
+from kvconform.conformance.recording import Recorder
+from kvconform.spec import registry
 
 SCHEDULINGS: tuple[str, ...] = get_args(Scheduling)
 
@@ -63,6 +68,8 @@ class RunOptions:
     """Seconds a drain waits for a connector on its own clock to go idle (KVC-ASYNC-1, KVC-LIVE-1, KVC-LEAK-1)."""
     tensor_parallel_size: int | None = None
     """Ranks per engine of a pair's run (`--tensor-parallel-size`); None: the state machine draws it (PD-TP-1)."""
+    record_trace: Path | None = None
+    """Where the run writes its trace (`--record-trace`), for `kvconform check`; None for none."""
 
     @property
     def rare_known_failures(self) -> frozenset[str]:
@@ -81,6 +88,18 @@ class RunOptions:
         lines = [f"{self.implementation_version}: behaviours detected: {names}; "
                  f"known failures: {', '.join(self.known_failures_files) or 'none listed'}"]
         return lines + ([f"warning: {self.unverified}"] if self.unverified else [])
+
+    def trace_header(self) -> dict[str, object]:
+        """Return what a trace of this run records of it: all `check` needs to judge it again and report alike."""
+        return {"adapter": self.adapter_spec, "implementation": self.implementation_version,
+                "behaviours": list(self.behaviours), "capabilities": self.capabilities.model_dump(mode="json"),
+                "profile": self.profile, "seed": self.seed, "scheduling": self.scheduling,
+                "call_timeout": self.call_timeout, "drain_timeout": self.drain_timeout,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "known_failures": [entry.line for entry in self.known_entries],
+                "known_failures_files": list(self.known_failures_files),
+                "connector": {variable: os.environ.get(variable) for variable in CONNECTOR_VARIABLES},
+                "kvconform": KIT_VERSION, "spec": registry.spec_version()}
 
 
 CONNECTOR_VARIABLES = ("KVCONFORM_CONNECTOR", "KVCONFORM_CONNECTOR_CONFIG", "KVCONFORM_CONNECTOR_MANIFEST",
@@ -115,7 +134,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
             junit_path: Path | None = None, certify: bool = False,
             database: str = examples.DEFAULT_DATABASE,
             drain_timeout: float | str = DEFAULT_DRAIN_TIMEOUT,
-            tensor_parallel_size: int | None = None) -> RunOptions:
+            tensor_parallel_size: int | None = None, record_trace: Path | None = None) -> RunOptions:
     """Return the checked options of a run, or raise UsageProblem naming the first mistake.
 
     `database` is a directory, a Redis URL or `none` (`examples.open_database`)."""
@@ -126,7 +145,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
     if not call_timeout > 0:
         raise UsageProblem(f"the call timeout must be more than 0 seconds, not {call_timeout:g}")
     drain_seconds = positive_seconds("the drain timeout", drain_timeout)
-    for path in (report_path, junit_path):
+    for path in (report_path, junit_path, record_trace):
         if path is not None:
             check_writable(path)
     if known_failures_path is not None:
@@ -152,7 +171,7 @@ def prepare(adapter_spec: str, *, profile: str = DEFAULT_PROFILE, seed: int | No
     return RunOptions(adapter_spec, factory, capabilities, version, profile, seed, scheduling, call_timeout,
                       tuple(_known_failures(*files).listed), tuple(str(path) for path in files), unverified,
                       behaviours, report_path, junit_path, certify, database_opened, drain_seconds,
-                      tensor_parallel_size)
+                      tensor_parallel_size, record_trace)
 
 
 def _known_failures(*paths) -> baseline.Baseline:
@@ -178,9 +197,32 @@ def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard
                         baseline=baseline.Baseline(list(options.known_entries), all_rare=shard.count > 1),
                         database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout,
                         on_shrink=on_shrink, tensor_parallel_size=options.tensor_parallel_size,
-                        capabilities=options.capabilities)
+                        capabilities=options.capabilities,
+                        recorder=None if options.record_trace is None else Recorder(options.record_trace,
+                                                                                    options.trace_header()))
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures,
                         behaviours=list(options.behaviours), known_failures_files=list(options.known_failures_files))
+
+
+def check(path: Path, on_example: Callable[[], None] | None = None) -> report.RunReport:
+    """Judge the trace at `path` again (`runner.check`) and return its report, as the recorded run's; raise
+    UsageProblem for a file that is not a trace this kit reads."""
+    try:
+        trace = Trace.read(path)
+        recorded = trace.run
+        known = baseline.Baseline(baseline.parse("\n".join(recorded["known_failures"]), f"{path}: known failures"))
+        capabilities = Capabilities.model_validate(recorded["capabilities"])
+    except KeyError as error:
+        raise UsageProblem(f"{path}: the trace header lacks {error}") from None
+    except (TraceError, baseline.BaselineError, ValueError) as error:
+        raise UsageProblem(str(error)) from None
+    try:
+        result = runner.check(trace, known, on_example)
+    except (TraceError, TraceMismatch) as error:
+        raise UsageProblem(f"{error}; nothing after it was judged") from None
+    return report.build(result, recorded["implementation"], capabilities, known.entries,
+                        behaviours=list(recorded["behaviours"]),
+                        known_failures_files=list(recorded["known_failures_files"]))
 
 
 def run_examples(options: RunOptions) -> ExampleDatabase | None:
@@ -194,10 +236,10 @@ def run_examples(options: RunOptions) -> ExampleDatabase | None:
                                                    options.scheduling, *connector, *ranks))
 
 
-def write_reports(options: RunOptions, run_report: report.RunReport) -> None:
-    """Write the JSON and JUnit reports `options` ask for; raise UsageProblem when one cannot be written."""
-    for path, render in ((options.report_path, lambda: run_report.model_dump_json(indent=2)),
-                         (options.junit_path, lambda: report.junit_xml(run_report))):
+def write_reports(run_report: report.RunReport, report_path: Path | None, junit_path: Path | None) -> None:
+    """Write the JSON and JUnit reports asked for; raise UsageProblem when one cannot be written."""
+    for path, render in ((report_path, lambda: run_report.model_dump_json(indent=2)),
+                         (junit_path, lambda: report.junit_xml(run_report))):
         if path is not None:
             try:
                 report.write_atomically(path, render())

@@ -1,4 +1,5 @@
-"""Run the conformance state machine against one adapter and collect a verdict per clause."""
+"""Run the conformance state machine against one adapter, or check the trace of a run, and collect a verdict per
+clause."""
 
 from __future__ import annotations
 
@@ -14,15 +15,26 @@ from hypothesis.errors import Flaky, HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvconform.adapters.contract import KVConnectorAdapter
+from kvconform.common.trace import TraceError
 from kvconform.common.values import Capabilities, SpecLevel
 from kvconform.conformance.baseline import Baseline
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT, AdapterHung, hang_detection
-from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT, RunStatistics, Scheduling, Session
+from kvconform.conformance.execution import (
+    DEFAULT_DRAIN_TIMEOUT,
+    Diverged,
+    Execution,
+    RunStatistics,
+    Scheduling,
+    Session,
+)
 from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.machine import machine_for
 from kvconform.conformance.operations import Call, render, requests_created
+from kvconform.conformance.playback import Playback, Trace, traced_factory
 from kvconform.conformance.profiles import PROFILES, Profile, Shard, profile_settings, programs_from_seed_alone
-from kvconform.conformance.shrinker import Replay, Shrinker
+from kvconform.conformance.recording import Recorder
+from kvconform.conformance.shrinker import Failure, Replay, Shrinker, fails_as, size
+from kvconform.reference.errors import InvalidCall
 
 Outcome = Literal["ok", "fail", "info"]
 """Jepsen's outcomes: conformant, a clause failed, or unknown (an adapter call never returned, CONF-CALL-2)."""
@@ -89,16 +101,18 @@ def run(
     on_shrink: Callable[[str], None] | None = None,
     tensor_parallel_size: int | None = None,
     capabilities: Capabilities | None = None,
+    recorder: Recorder | None = None,
 ) -> RunResult:
     """Run the state machine under `profile`; a clause violation becomes a failed result with its counterexample.
 
     Failing examples stored in `database` (one kind of run's, `examples.RunExamples`) are replayed first, and the
     run's own failure is stored there (CONF-RUN-5). A `shard` of a split run draws its share of the examples from
-    its own seed. A shrink that lasts says how far it got to `on_shrink`, every `shrinker.PROGRESS_SECONDS`.
+    its own seed. A shrink that lasts says how far it got to `on_shrink`, every `shrinker.PROGRESS_SECONDS`. A
+    `recorder` writes the run's trace, which `check` judges again.
     """
     baseline = Baseline() if baseline is None else baseline
     session = Session(adapter_factory, call_timeout, scheduling, baseline, on_example, drain_timeout=drain_timeout,
-                      tensor_parallel_size=tensor_parallel_size, capabilities=capabilities)
+                      tensor_parallel_size=tensor_parallel_size, capabilities=capabilities, recorder=recorder)
     machine = machine_for(session)
     seed = shard.seed(seed)
     if seed is not None:  # @seed also sets database=None on the class's own settings, which the settings below replace
@@ -117,10 +131,7 @@ def run(
         _failed(result, _shrunk(session, Replay(violation.executed_program, violation), PROFILES[profile],
                                 on_shrink))
     except AdapterHung as hang:  # not shrunk: the unshrunk calls that led to the hang are the evidence
-        result.passed = False
-        result.failed_clause = hang.clause
-        result.message = hang.detail
-        result.counterexample = "\n".join(hang.trace)
+        _hung(result, hang)
     except HypothesisException as error:
         observed = _not_replayed(error, session)
         if observed is not None:
@@ -130,6 +141,89 @@ def run(
             result.passed = False
             result.failed_clause = "CONF-RUN-1"
             result.message = f"{type(error).__name__}: {error}"
+    finally:
+        if recorder is not None:
+            recorder.close(session.statistics.examples, session.statistics.rules)
+    _concluded(result, baseline, session, started)
+    return result
+
+
+def check(trace: Trace, baseline: Baseline, on_example: Callable[[], None] | None = None) -> RunResult:
+    """Judge the run `trace` recorded again, on its recorded schedule: every example's program applied to an adapter
+    that answers as the recorded one did, by the same judges as a live run (`kvconform check`).
+
+    The verdict is the live runner's: the failure of the last drawn example that failed (the one Hypothesis
+    reported), shown by the smallest program any example failed alike with (the shrinker's). A call with no recorded
+    outcome is unknown (CONF-CALL-2); a record the run cannot place raises `playback.TraceMismatch`.
+    """
+    recorded = trace.run
+    session = Session(traced_factory(Playback(trace.path, [])), None, recorded["scheduling"], baseline,
+                      drain_timeout=recorded["drain_timeout"], tensor_parallel_size=recorded["tensor_parallel_size"])
+    result = RunResult(recorded["adapter"], recorded["profile"], recorded["seed"], passed=True, seconds=0.0,
+                       scheduling=recorded["scheduling"], statistics=session.statistics, coverage=session.coverage,
+                       exercise=session.exercise, drain_timeout=recorded["drain_timeout"], findings=session.findings)
+    started = time.perf_counter()
+    drawn: list[Replay] = []
+    replayed: list[Replay] = []
+    try:
+        for replaying, records in trace.examples:
+            playback = Playback(trace.path, records)
+            session.adapter_factory, session.clock = traced_factory(playback), playback.now
+            if not replaying:
+                session.statistics.examples += 1
+                if on_example is not None:
+                    on_example()
+            failing = _played(session, playback, replaying)
+            if failing is not None:
+                (replayed if replaying else drawn).append(failing)
+    except AdapterHung as hang:
+        _hung(result, hang)
+    else:
+        _check_end(trace, session.statistics)
+        if drawn:
+            failure = Failure.of(drawn[-1].failure)
+            alike = [replay for replay in replayed if fails_as(replay, failure)]
+            _failed(result, min([drawn[-1], *alike], key=lambda replay: size(replay.program)))
+    _concluded(result, baseline, session, started)
+    return result
+
+
+def _check_end(trace: Trace, statistics: RunStatistics) -> None:
+    """Raise TraceError unless the trace ends as the run did: with its end record, after the examples it counts."""
+    if trace.end is None:
+        raise TraceError(f"{trace.path}: the trace has no end record: the recording stopped before the run did, and "
+                         "what the run did after its last record is unknown")
+    if trace.end["examples"] != statistics.examples:
+        raise TraceError(f"{trace.path}: the end record counts {trace.end['examples']} examples, and the trace holds "
+                         f"{statistics.examples}")
+    statistics.rules = trace.end["rules"]
+
+
+def _played(session: Session, playback: Playback, replaying: bool) -> Replay | None:
+    """Play one example back as the run made it (the state machine's example, or a shrink's replay); return its
+    failure, if it failed. A failure in closing the adapter counts for a drawn example, as it fails its teardown."""
+    execution = Execution(session, coverage={} if replaying else None)
+    violation = None
+    try:
+        execution.begin()
+        while playback.at("operation"):
+            execution.apply(playback.operation())
+    except ClauseViolation as error:
+        violation = error
+    except (Diverged, InvalidCall):
+        pass
+    try:
+        execution.close()
+    except ClauseViolation as error:
+        violation = violation or (None if replaying else error)
+    except Diverged:
+        pass
+    playback.finished()
+    return None if violation is None else Replay(execution.program, violation)
+
+
+def _concluded(result: RunResult, baseline: Baseline, session: Session, started: float) -> None:
+    """Complete a result as every run ends: the known failures met, stale entries, time and levels (CONF-RUN-2)."""
     if result.failed_clause in baseline.entries:
         result.message = (f"{result.message} (the known failures list {result.failed_clause} for another cause only: "
                           f"{', '.join(e.name for e in baseline.listed if e.clause == result.failed_clause)})")
@@ -142,7 +236,14 @@ def run(
     result.seconds = time.perf_counter() - started
     if session.capabilities is not None:
         result.levels = session.capabilities.levels
-    return result
+
+
+def _hung(result: RunResult, hang: AdapterHung) -> None:
+    """Record a call with no outcome (CONF-CALL-2): its evidence is the unshrunk calls that led to it."""
+    result.passed = False
+    result.failed_clause = hang.clause
+    result.message = hang.detail
+    result.counterexample = "\n".join(hang.trace)
 
 
 def _failed(result: RunResult, failing: Replay) -> None:

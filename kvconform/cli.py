@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import tempfile
@@ -81,6 +82,8 @@ def _connector_options(command):
               help="Example database: a directory, a Redis URL (redis://host:port), or none")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the run across N pytest-xdist workers, one part each (needs pytest-xdist)")
+@click.option("--record-trace", "record_trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the run's trace here (JSON lines): every adapter call and its answer, for `kvconform check`")
 @click.option("--vllm", "vllm_releases", default=None, metavar="A,B,C|A..B",
               help="Run on each of these vLLM releases, each in its own environment (KVCONFORM_VLLM_ENVS, else built "
                    "once into KVCONFORM_CACHE); one report with a release column. A {release} in --known-failures "
@@ -89,9 +92,12 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                 drain_timeout: str, junit_path: Path | None, known_failures_path: Path | None, certify: bool,
                 scheduling: str, tensor_parallel_size: int | None, connector: str | None,
                 connector_config: str | None, connector_manifest: str | None, pd_processes: str | None,
-                ranks: str | None, verbose: bool, database: str, workers: int, vllm_releases: str | None) -> None:
+                ranks: str | None, verbose: bool, database: str, workers: int, record_trace: Path | None,
+                vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = make_console(stderr=True)
+    if record_trace is not None and (workers > 1 or vllm_releases is not None):
+        _usage_error("--record-trace records a run in one process: not with --workers or --vllm")
     if vllm_releases is not None:
         given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
@@ -107,7 +113,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
         run = options.prepare(adapter_spec, profile=profile, seed=seed, scheduling=scheduling,
                               call_timeout=call_timeout, known_failures_path=known_failures_path,
                               report_path=report_path, junit_path=junit_path, certify=certify, database=database,
-                              drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size)
+                              drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size,
+                              record_trace=record_trace)
     except options.UsageProblem as problem:
         _usage_error(str(problem))
     console.print(f"kvconform: adapter [bold]{adapter_spec}[/] {run.implementation_version}, profile {profile}, "
@@ -121,6 +128,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                                      drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size,
                                      known_failures=known_failures_path, report=report_path, junit=junit_path)
         _print_table(make_console(), run_report, verbose)
+        report_path = junit_path = None  # the workers' controller wrote them
     else:
         try:
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -132,14 +140,60 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
             click.echo("kvconform: interrupted; no report written", err=True)
             sys.exit(EXIT_INTERRUPTED)
         _print_table(make_console(), run_report, verbose)
-        try:
-            options.write_reports(run, run_report)
-        except options.UsageProblem as problem:
-            _usage_error(str(problem))
-    gaps = options.certification_gaps(run, run_report)
+        if record_trace is not None:
+            click.echo(f"kvconform: trace written to {record_trace} ({record_trace.stat().st_size:,} bytes); judge it "
+                       f"again with: kvconform check {record_trace}", err=True)
+    _write_and_exit(run_report, report_path, junit_path, certify)
+
+
+def _write_and_exit(run_report, report_path: Path | None, junit_path: Path | None, certify: bool) -> None:
+    """Write the reports asked for and exit with the verdict: 0 conformant (and certified, if asked), 1 not."""
+    try:
+        options.write_reports(run_report, report_path, junit_path)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    gaps = report.certification_gaps(run_report) if certify else []
     for gap in gaps:
         click.echo(f"kvconform: not certified: {gap}", err=True)
     sys.exit(EXIT_CONFORMANT if run_report.passed and not gaps else EXIT_NONCONFORMANT)
+
+
+@main.command("check")
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path), metavar="TRACE...")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the JSON report here")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a JUnit XML report here, one test case per clause")
+@click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
+@click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
+def check_command(traces: tuple[Path, ...], report_path: Path | None, junit_path: Path | None, certify: bool,
+                  verbose: bool) -> None:
+    """Judge recorded traces (`kvconform run --record-trace`) again, offline, with the judges and reports of `run`:
+    the recorded adapter answers every call as it did. Several traces are the parts of one run, reported as one. The
+    adapter need not be installed; a file that is not a trace, or a record the checker cannot place, exits 2."""
+    for path in (report_path, junit_path):
+        if path is not None:
+            try:
+                options.check_writable(path)
+            except options.UsageProblem as problem:
+                _usage_error(str(problem))
+    console = make_console(stderr=True)
+    parts = []
+    for trace in traces:
+        try:
+            with Progress(TextColumn("{task.description}"), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console, transient=True) as progress:
+                task = progress.add_task(f"checking {trace}", total=None)
+                parts.append(options.check(trace, on_example=functools.partial(progress.advance, task)))
+        except options.UsageProblem as problem:
+            _usage_error(str(problem))
+        console.print(f"kvconform: {trace}: adapter [bold]{parts[-1].adapter}[/] {parts[-1].implementation_version}, "
+                      f"profile {parts[-1].profile}, {parts[-1].statistics.examples} examples", highlight=False)
+    if len({(part.adapter, part.implementation_version) for part in parts}) > 1:
+        _usage_error("the traces record different adapters or implementations: check them one at a time")
+    run_report = parts[0] if len(parts) == 1 else report.merge(parts, parts[0].seed)
+    _print_table(make_console(), run_report, verbose)
+    _write_and_exit(run_report, report_path, junit_path, certify)
 
 
 def _run_releases(text: str, arguments: list[str], adapter_spec: str, profile: str, report_path: Path | None,

@@ -274,7 +274,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                           run.rare_known_failures)
     config.stash[RUN_REPORT] = merged
     try:
-        options.write_reports(run, merged)
+        options.write_reports(merged, run.report_path, run.junit_path)
     except options.UsageProblem as problem:
         sys.stderr.write(f"ERROR: kvconform: {problem}\n")
         session.exitstatus = pytest.ExitCode.USAGE_ERROR

@@ -30,7 +30,7 @@ def test_state_machine(kv_run_options: options.RunOptions, kv_shard: Shard, pyte
     if not merged_by_controller:
         pytestconfig.stash[RUN_REPORT] = run_report
         try:
-            options.write_reports(kv_run_options, run_report)
+            options.write_reports(run_report, kv_run_options.report_path, kv_run_options.junit_path)
         except options.UsageProblem as problem:
             pytest.fail(str(problem), pytrace=False)
     if not run_report.passed:

@@ -13,7 +13,6 @@ else the producer's steps (`Capabilities.lease_steps`, a harness-clocked pair).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +56,7 @@ class Hold:
     called: float
     """When that step was called (`judge.Run.step_called`): the earliest its lease can have begun."""
     started: float
-    """When that step returned (`time.monotonic`): the latest its lease can have begun."""
+    """When that step returned (the run's clock, `Run.now`): the latest its lease can have begun."""
     block_ids: tuple[int, ...]
     read_at: tuple[int, float] | None = None
     """The step and time a consumer reported, by every rank, a successful read of it (PD-NOTIFY-1)."""
@@ -199,7 +198,7 @@ class DisaggregatedJudge(ConnectorJudge):
         """Return True once a span that began at `since_step` / `since` has passed the limit on the adapter's clock:
         steps (the step being judged is `trace.steps + 1`), or seconds."""
         if limit_seconds is not None:
-            return time.monotonic() - since > limit_seconds + slack
+            return self.run.now() - since > limit_seconds + slack
         return limit_steps is not None and self.trace.steps + 1 - since_step > limit_steps + slack
 
     def gather_ranks(self, producer: EngineStep, consumer: EngineStep) -> None:
@@ -213,7 +212,7 @@ class DisaggregatedJudge(ConnectorJudge):
 
     def follow_pair(self, observation: StepObservation, producer: EngineStep, consumer: EngineStep) -> None:
         """Advance the pair's state past a judged step (the connector level's trace has already moved on)."""
-        pair, step, now = self.pair, self.trace.steps, time.monotonic()
+        pair, step, now = self.pair, self.trace.steps, self.run.now()
         for request_id in settled_unread_holds(self, consumer):
             del pair.released_unread[request_id]
         for name, engine in (("producer", producer), ("consumer", consumer)):
@@ -489,7 +488,7 @@ def check_hold_ends(judge: DisaggregatedJudge, observation: StepObservation, pro
             step, when = hold.read_at
             late_seconds = NOTIFY_SECONDS if capabilities.lease_seconds is not None else None
             if judge.trace.steps + 1 - step > NOTIFY_STEPS and (
-                    late_seconds is None or time.monotonic() - when > late_seconds):
+                    late_seconds is None or judge.run.now() - when > late_seconds):
                 raise _fault("PD-NOTIFY-1", f"every consumer rank read {request_id!r} in step {step}, yet the "
                                             f"producer still holds its blocks {judge.trace.steps + 1 - step} steps "
                                             "later: their notifications did not end the hold")

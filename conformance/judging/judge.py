@@ -116,6 +116,9 @@ class Run(Protocol):
     def call(self, operation: str, *args: Any) -> Any:
         """Return the adapter's validated answer to one more call, made for the judge (a store's contents, bytes)."""
 
+    def now(self) -> float:
+        """Return the run's clock (`time.monotonic`, or a checked trace's recorded reading)."""
+
     def reference_engine(self, config: EngineConfig) -> Engine:
         """Return a fresh reference engine, the spec's model, for `config`; its time is the reference's."""
 
