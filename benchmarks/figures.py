@@ -28,6 +28,7 @@ UNIT_FORMATS = {
     "bytes/s": lambda value: f"{value / 1e9:.2f} GB/s",
     "ratio": lambda value: f"{value:.2f}",
     "µs/step": lambda value: f"{value:,.0f} µs/step",
+    "bytes/step": lambda value: f"{value:,.0f} bytes/step",
 }
 """How a value of each unit is shown in the table; the JSON keeps the plain number."""
 

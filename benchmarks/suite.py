@@ -6,7 +6,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvconform.benchmarks import connectors, counterexample, scaling, throughput, transfer, vendor, workers
+from kvconform.benchmarks import (
+    connectors,
+    counterexample,
+    scaling,
+    throughput,
+    traces,
+    transfer,
+    vendor,
+    workers,
+)
 from kvconform.benchmarks.figures import BenchReport, Figure, Progress, build_report
 from kvconform.conformance.mutants import MUTANTS
 
@@ -25,6 +34,7 @@ class Settings:
     workers: workers.WorkersSettings = field(default_factory=workers.WorkersSettings)
     vendor: vendor.VendorSettings = field(default_factory=vendor.VendorSettings)
     connectors: connectors.ConnectorsSettings = field(default_factory=connectors.ConnectorsSettings)
+    traces: traces.TracesSettings = field(default_factory=traces.TracesSettings)
 
 
 BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
@@ -35,6 +45,7 @@ BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
     workers.NAME: lambda settings, progress: workers.measure(settings.workers, progress),
     vendor.NAME: lambda settings, progress: vendor.measure(settings.vendor, progress),
     connectors.NAME: lambda settings, progress: connectors.measure(settings.connectors, progress),
+    traces.NAME: lambda settings, progress: traces.measure(settings.traces, progress),
 }
 """Benchmark name → how to run it; the issue's order."""
 

@@ -98,17 +98,26 @@ def encode(value: Any) -> Any:
 
 
 def decode(data: Any) -> Any:
-    """Return the value `encode` wrote as `data`; raise TraceError for a tag it does not know."""
+    """Return the value `encode` wrote as `data`; raise TraceError for one it cannot read back."""
+    try:
+        return _decoded(data)
+    except TraceError:
+        raise
+    except (ValueError, TypeError, KeyError, RuntimeError) as error:  # a value altered or cut: base64, shape, fields
+        raise TraceError(f"an unreadable value: {type(error).__name__}: {str(error).splitlines()[0]}") from None
+
+
+def _decoded(data: Any) -> Any:
     if isinstance(data, list):
-        return [decode(item) for item in data]
+        return [_decoded(item) for item in data]
     if not isinstance(data, dict):
         return data
     if "$tuple" in data:
-        return tuple(decode(item) for item in data["$tuple"])
+        return tuple(_decoded(item) for item in data["$tuple"])
     if "$set" in data:
-        return frozenset(decode(item) for item in data["$set"])
+        return frozenset(_decoded(item) for item in data["$set"])
     if "$dict" in data:
-        return {decode(key): decode(item) for key, item in data["$dict"]}
+        return {_decoded(key): _decoded(item) for key, item in data["$dict"]}
     if "$model" in data:
         model = MODELS.get(data["$model"])
         if model is None:
@@ -119,14 +128,14 @@ def decode(data: Any) -> Any:
         dtype = getattr(torch, tensor["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise TraceError(f"unknown tensor dtype {tensor['dtype']!r}")
-        raw = bytearray(base64.b64decode(tensor["data"]))
+        raw = bytearray(base64.b64decode(tensor["data"], validate=True))
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return flat.view(dtype).reshape(tensor["shape"])
     if "$opaque" in data:
         return type(data["$opaque"], (Opaque,), {})(data["repr"])
     if any(key.startswith("$") for key in data):
         raise TraceError(f"unknown value tag in {sorted(data)}")
-    return {key: decode(item) for key, item in data.items()}
+    return {key: _decoded(item) for key, item in data.items()}
 
 
 class TraceWriter:

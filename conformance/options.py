@@ -198,7 +198,7 @@ def run(options: RunOptions, on_example: Callable[[], None] | None = None, shard
                         database=run_examples(options), shard=shard, drain_timeout=options.drain_timeout,
                         on_shrink=on_shrink, tensor_parallel_size=options.tensor_parallel_size,
                         capabilities=options.capabilities,
-                        recorder=None if options.record_trace is None else Recorder(options.record_trace,
+                        recorder=None if options.record_trace is None else Recorder(shard.trace(options.record_trace),
                                                                                     options.trace_header()))
     return report.build(result, options.implementation_version, options.capabilities, options.known_failures,
                         behaviours=list(options.behaviours), known_failures_files=list(options.known_failures_files))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 from unittest import mock
 
@@ -64,6 +65,12 @@ class Shard:
         if base is None:
             raise ValueError("a run split across workers needs a seed to derive each part's seed from")
         return base * self.count + self.index
+
+    def trace(self, path: Path) -> Path:
+        """Return where this part writes the trace of a run recorded at `path`: a file per part of a split run, which
+        `kvconform check` judges together (`name.part-1-of-2.jsonl`, …)."""
+        return path if self.count == 1 else path.with_name(f"{path.stem}.part-{self.index + 1}-of-{self.count}"
+                                                           f"{path.suffix}")
 
 
 def profile_settings(name: str, seed_given: bool = False, database: ExampleDatabase | None = None,

@@ -210,8 +210,9 @@ def _played(session: Session, playback: Playback, replaying: bool) -> Replay | N
             execution.apply(playback.operation())
     except ClauseViolation as error:
         violation = error
+        playback.abandon()
     except (Diverged, InvalidCall):
-        pass
+        playback.abandon()
     try:
         execution.close()
     except ClauseViolation as error:

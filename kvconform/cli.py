@@ -96,8 +96,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
                 vllm_releases: str | None) -> None:
     """Run the conformance state machine against an adapter and print a verdict per clause."""
     console = make_console(stderr=True)
-    if record_trace is not None and (workers > 1 or vllm_releases is not None):
-        _usage_error("--record-trace records a run in one process: not with --workers or --vllm")
+    if record_trace is not None and vllm_releases is not None:
+        _usage_error("--record-trace records one release's run: not with --vllm")
     if vllm_releases is not None:
         given = {"--adapter": adapter_spec, "--profile": profile, "--seed": seed, "--call-timeout": call_timeout,
                  "--drain-timeout": drain_timeout, "--known-failures": known_failures_path, "--scheduling": scheduling,
@@ -126,7 +126,8 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
         run_report = _run_in_workers(workers, adapter=adapter_spec, profile=profile, seed=seed,
                                      scheduling=scheduling, call_timeout=call_timeout, database=database,
                                      drain_timeout=drain_timeout, tensor_parallel_size=tensor_parallel_size,
-                                     known_failures=known_failures_path, report=report_path, junit=junit_path)
+                                     known_failures=known_failures_path, report=report_path, junit=junit_path,
+                                     record_trace=record_trace)
         _print_table(make_console(), run_report, verbose)
         report_path = junit_path = None  # the workers' controller wrote them
     else:
@@ -140,9 +141,12 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
             click.echo("kvconform: interrupted; no report written", err=True)
             sys.exit(EXIT_INTERRUPTED)
         _print_table(make_console(), run_report, verbose)
-        if record_trace is not None:
-            click.echo(f"kvconform: trace written to {record_trace} ({record_trace.stat().st_size:,} bytes); judge it "
-                       f"again with: kvconform check {record_trace}", err=True)
+    if record_trace is not None:
+        written = sorted(record_trace.parent.glob(f"{record_trace.stem}.part-*-of-{workers}{record_trace.suffix}")
+                         ) if workers > 1 else [record_trace]
+        click.echo(f"kvconform: trace written to {', '.join(map(str, written))} "
+                   f"({sum(path.stat().st_size for path in written):,} bytes); judge it again with: kvconform check "
+                   f"{' '.join(map(str, written))}", err=True)
     _write_and_exit(run_report, report_path, junit_path, certify)
 
 

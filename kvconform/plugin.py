@@ -43,6 +43,7 @@ OPTION_REPORT = "--kv-report"
 OPTION_JUNIT = "--kv-junit"
 OPTION_KNOWN_FAILURES = "--kv-known-failures"
 OPTION_CERTIFY = "--kv-certify"
+OPTION_RECORD_TRACE = "--kv-record-trace"
 OPTION_SCENARIOS = "--kv-scenarios"
 OPTION_DATABASE = "--kv-database"
 OPTION_VLLM = "--kv-vllm"
@@ -77,6 +78,7 @@ PREPARE_ARGUMENTS = {
     "known_failures_path": "kv_known_failures",
     "certify": "kv_certify",
     "database": "kv_database",
+    "record_trace": "kv_record_trace",
 }
 
 
@@ -105,6 +107,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="File of 'CLAUSE-ID: reason' lines: reported, not fatal; stale entries fail")
     group.addoption(OPTION_CERTIFY, dest="kv_certify", action="store_true",
                     help="Fail unless every run-time-checked MUST clause was exercised and passed")
+    group.addoption(OPTION_RECORD_TRACE, dest="kv_record_trace", type=Path, default=None,
+                    help="Write the run's trace here, for kvconform check; split across xdist workers, a file per part "
+                         "(NAME.part-1-of-N.jsonl, …)")
     group.addoption(OPTION_SCENARIOS, dest="kv_scenarios", type=Path, action="append", default=[],
                     help="A scenario JSON file, or a folder of them, to check besides the bundled ones (repeatable)")
     group.addoption(OPTION_DATABASE, dest="kv_database", default=None,

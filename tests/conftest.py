@@ -3,9 +3,13 @@ says what was left out and the one command that brings it back."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
+
+from kvconform.conformance import options
 
 LONG_TIER = "long"
 OPTION_LONG = "--long"
@@ -50,3 +54,14 @@ def _reason(report: pytest.TestReport) -> str:
     if isinstance(report.longrepr, tuple):
         return report.longrepr[2].removeprefix("Skipped: ")
     return str(report.longrepr)
+
+
+@pytest.fixture
+def connector_environment() -> Iterator[None]:
+    """Start without a connector named, and forget whatever the test named: `--connector` sets the environment."""
+    saved = {variable: os.environ.pop(variable, None) for variable in options.CONNECTOR_VARIABLES}
+    yield
+    for variable, value in saved.items():
+        os.environ.pop(variable, None)
+        if value is not None:
+            os.environ[variable] = value

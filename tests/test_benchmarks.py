@@ -16,7 +16,17 @@ import torch
 from click.testing import CliRunner
 
 from faulty_adapters import faulty, raising
-from kvconform.benchmarks import connectors, counterexample, scaling, suite, throughput, transfer, vendor, workers
+from kvconform.benchmarks import (
+    connectors,
+    counterexample,
+    scaling,
+    suite,
+    throughput,
+    traces,
+    transfer,
+    vendor,
+    workers,
+)
 from kvconform.cli import main
 from kvconform.conformance.mutants import MUTANTS, Mutant
 from kvconform.conformance.profiles import PROFILES, Profile
@@ -31,6 +41,7 @@ TINY = dict(
                                     mutants=("skip-flag-ignored",)),
     vendor=vendor.VendorSettings(connector="tests.no_such_connector:Nope", scenarios=("tenant-isolation",)),
     connectors=connectors.ConnectorsSettings(profile="bench-test", connectors=("ExampleConnector",)),
+    traces=traces.TracesSettings(profile="bench-test", repetitions=1),
 )
 """The vendor benchmark's commands are refused before vLLM's import (an unknown module): four processes, no run. The
 connectors benchmark runs ExampleConnector where vLLM is installed, and says why not where it is not."""

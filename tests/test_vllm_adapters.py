@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
@@ -359,17 +357,6 @@ def test_state_machine_verdict(kind: str) -> None:
 
 
 # --- vllm-connector: any KVConnectorBase_V1, black box ------------------------------------------
-
-
-@pytest.fixture
-def connector_environment() -> Iterator[None]:
-    """Start without a connector named, and forget whatever the test named: `--connector` sets the environment."""
-    saved = {variable: os.environ.pop(variable, None) for variable in options.CONNECTOR_VARIABLES}
-    yield
-    for variable, value in saved.items():
-        os.environ.pop(variable, None)
-        if value is not None:
-            os.environ[variable] = value
 
 
 @pytest.mark.vllm
