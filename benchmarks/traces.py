@@ -38,7 +38,9 @@ def measure(settings: TracesSettings, progress: Progress) -> list[Figure]:
     """Return µs/step without and with the recorder and for the check, the overhead ratio, bytes/step, and the check's
     agreement with the live verdict."""
     load = os.getloadavg()[0]
-    plain, recorded, checked = [], [], []
+    plain: list[RunReport] = []
+    recorded: list[RunReport] = []
+    checked: list[RunReport] = []
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "run.jsonl"
         for repetition in range(settings.repetitions):

@@ -118,9 +118,12 @@ class Playback:
         self.calls.append(text)
         where = self.where()
         record = self.take("call", f"calls {text}")
-        if record["operation"] != operation or record["args"] != encode(list(args)):
-            raise TraceMismatch(f"{where}: the checker's run calls {text}, and the trace recorded "
-                                f"adapter.{record['operation']} with other arguments there")
+        if record["operation"] != operation:
+            raise TraceMismatch(f"{where}: the checker's run calls {text}, and the trace recorded a call of "
+                                f"{record['operation']} there")
+        if record["args"] != encode(list(args)):
+            raise TraceMismatch(f"{where}: the checker's run calls {text}, and the trace recorded it with other "
+                                "arguments there")
         if not any(self.at(kind) for kind in OUTCOMES):
             if self.position == len(self.records):
                 raise AdapterHung(text, None, list(self.calls))

@@ -45,6 +45,15 @@ def recorded_run(adapter: type, name: str, path: Path, profile: str = "smoke") -
     return runner.run(adapter, name, profile, recorder=Recorder(path, header))
 
 
+def recorded_from_the_command_line(folder: Path) -> Path:
+    """Return the trace `kvconform run --record-trace` writes of the seed-bug mutant's failing smoke run."""
+    path = folder / "run.jsonl"
+    code, _, stderr = cli("run", "--adapter", "kvconform_test_mutant:make", "--profile", "smoke", "--database", "none",
+                          "--record-trace", str(path))
+    assert code == 1, stderr
+    return path
+
+
 def verdict(result: runner.RunResult) -> tuple:
     """What a run concluded: the failure and its counterexample, what it exercised and drew, what it counted."""
     return (result.passed, result.failed_clause, result.message, result.program, result.counterexample,
@@ -146,8 +155,7 @@ def test_an_unreadable_recorded_value_is_the_traces_fault_not_the_adapters(tmp_p
 ])
 def test_a_trace_the_checker_cannot_use_is_one_line_and_exit_2(tmp_path: Path, edit, message: str) -> None:
     """Corrupt, cut, of another version, out of order, or joined: one clear line naming the record, exit 2."""
-    path = tmp_path / "run.jsonl"
-    recorded_run(MUTANTS["skip-flag-ignored"].adapter, "skip-flag-ignored", path)
+    path = recorded_from_the_command_line(tmp_path)
     lines = path.read_text().splitlines()
     path.write_text("".join(f"{line}\n" for line in edit(lines)))
     code, _, stderr = cli("check", str(path))
@@ -158,8 +166,7 @@ def test_a_trace_the_checker_cannot_use_is_one_line_and_exit_2(tmp_path: Path, e
 def test_a_trace_that_ends_inside_a_call_is_unknown(tmp_path: Path) -> None:
     """The recording stopped during a call (the process died): that call's outcome is unknown (CONF-CALL-2), never
     a pass."""
-    path = tmp_path / "run.jsonl"
-    recorded_run(MUTANTS["skip-flag-ignored"].adapter, "skip-flag-ignored", path)
+    path = recorded_from_the_command_line(tmp_path)
     lines = path.read_text().splitlines()
     last_call = max(index for index, line in enumerate(lines) if json.loads(line)["record"] == "call")
     path.write_text("".join(f"{line}\n" for line in lines[: last_call + 1]))
@@ -197,9 +204,7 @@ def test_a_run_split_across_workers_writes_a_trace_per_part(tmp_path: Path) -> N
 
 def test_check_imports_no_adapter(tmp_path: Path) -> None:
     """A trace is checked where its adapter cannot be imported: the checker needs the trace alone."""
-    path = tmp_path / "run.jsonl"
-    assert cli("run", "--profile", "smoke", "--adapter", "kvconform_test_mutant:make", "--record-trace", str(path),
-               "--database", "none")[0] == 1
+    path = recorded_from_the_command_line(tmp_path)
     blocked = ("import sys; sys.modules['kvconform_test_mutant'] = None; sys.modules['vllm'] = None; "
                "from kvconform.cli import main; main()")
     checked = subprocess.run([sys.executable, "-c", blocked, "check", str(path)], capture_output=True, text=True,
