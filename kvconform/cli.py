@@ -175,12 +175,7 @@ def check_command(traces: tuple[Path, ...], report_path: Path | None, junit_path
     """Judge recorded traces (`kvconform run --record-trace`) again, offline, with the judges and reports of `run`:
     the recorded adapter answers every call as it did. Several traces are the parts of one run, reported as one. The
     adapter need not be installed; a file that is not a trace, or a record the checker cannot place, exits 2."""
-    for path in (report_path, junit_path):
-        if path is not None:
-            try:
-                options.check_writable(path)
-            except options.UsageProblem as problem:
-                _usage_error(str(problem))
+    _writable_or_exit(report_path, junit_path)
     console = make_console(stderr=True)
     parts = []
     for trace in traces:
@@ -334,6 +329,16 @@ def _print_table(console: Console, run_report, verbose: bool = False) -> None:
         console.print(run_report.adapter_traceback, markup=False, highlight=False)
 
 
+def _writable_or_exit(*paths: Path | None) -> None:
+    """Exit 2 before a long run whose report could not be written to one of `paths`."""
+    try:
+        for path in paths:
+            if path is not None:
+                options.check_writable(path)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+
+
 def _usage_error(message: str) -> None:
     click.echo(f"kvconform: error: {message}", err=True)
     sys.exit(EXIT_USAGE)
@@ -467,11 +472,7 @@ def mutants_command(profile: str, seed: int | None, only: str | None, report_pat
     if unknown or not names:
         _usage_error(f"unknown mutant(s) {', '.join(unknown) or '(none given)'}; "
                      f"choose from {', '.join(sorted(MUTANTS))}")
-    if report_path is not None:
-        try:
-            options.check_writable(report_path)
-        except options.UsageProblem as problem:
-            _usage_error(str(problem))
+    _writable_or_exit(report_path)
     console = make_console(stderr=True)
     console.print(f"kvconform: the reference and {len(names)} mutant(s), profile {profile}, {options.seed_words(seed)}")
     kill_report = kill_all(names, profile, seed, on_kill=lambda kill: console.print(
