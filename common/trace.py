@@ -52,6 +52,10 @@ RECORDS: dict[str, tuple[str, ...]] = {
   short.
 """
 
+RUN_FIELDS = ("adapter", "implementation", "behaviours", "capabilities", "profile", "seed", "scheduling",
+              "drain_timeout", "tensor_parallel_size", "known_failures", "known_failures_files")
+"""What the header's `run` must hold: all a checker reads to judge the run again and report it alike."""
+
 MODELS: dict[str, type[BaseModel]] = {
     name: model for name, model in inspect.getmembers(values, inspect.isclass)
     if issubclass(model, BaseModel) and model.__module__ == values.__name__ and not name.startswith("_")}
@@ -180,6 +184,9 @@ def read(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if number == 1 and record["version"] != VERSION:
             raise TraceError(f"{where}: trace format version {record['version']!r}; this checker reads version "
                              f"{VERSION}")
+        run = record["run"] if number == 1 and isinstance(record["run"], dict) else {}
+        if number == 1 and not set(RUN_FIELDS) <= set(run):
+            raise TraceError(f"{where}: the trace header's run lacks {', '.join(sorted(set(RUN_FIELDS) - set(run)))}")
         if number > 1 and kind == "trace":
             raise TraceError(f"{where}: a second trace header: two traces joined into one file")
         yield number, record

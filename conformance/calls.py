@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.common.values import Capabilities, EngineConfig, ResourceUsage, StepObservation, StoreSnapshot
 from kvconform.conformance.judging.judge import ClauseViolation
+from kvconform.conformance.operations import call_text
 from kvconform.conformance.recording import Recorder
 
 DEFAULT_CALL_TIMEOUT = 30.0
@@ -53,11 +54,6 @@ class AdapterHung(BaseException):
                        f"{call} has no recorded outcome: the trace ends inside the call; outcome unknown")
         super().__init__(f"[CONF-CALL-2] {self.detail}")
         self.trace = trace
-
-
-def call_text(operation: str, args: tuple[Any, ...]) -> str:
-    """Return an adapter call as Python, as failures and hangs name it."""
-    return f"adapter.{operation}({', '.join(map(repr, args))})"
 
 
 class AdapterCaller:

@@ -125,6 +125,11 @@ PARAMETERS = {name: tuple(parameter.name for parameter in operation.parameters)
 """The names of each operation's parameters."""
 
 
+def call_text(operation: str, args: tuple[Any, ...]) -> str:
+    """Return an adapter call as Python, as programs, failures and hangs name it."""
+    return f"adapter.{operation}({', '.join(map(repr, args))})"
+
+
 @dataclass(frozen=True)
 class Call:
     """One operation of a program, with its positional arguments."""
@@ -139,7 +144,7 @@ class Call:
     def __str__(self) -> str:
         if self.operation == "drain":
             return "drain(adapter)  # complete transfers, step until idle; the kit's drain then checks for leaks"
-        return f"adapter.{self.operation}({', '.join(map(repr, self.args))})"
+        return call_text(self.operation, self.args)
 
     @property
     def creates(self) -> str | None:

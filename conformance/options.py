@@ -212,8 +212,6 @@ def check(path: Path, on_example: Callable[[], None] | None = None) -> report.Ru
         recorded = trace.run
         known = baseline.Baseline(baseline.parse("\n".join(recorded["known_failures"]), f"{path}: known failures"))
         capabilities = Capabilities.model_validate(recorded["capabilities"])
-    except KeyError as error:
-        raise UsageProblem(f"{path}: the trace header lacks {error}") from None
     except (TraceError, baseline.BaselineError, ValueError) as error:
         raise UsageProblem(str(error)) from None
     try:

@@ -16,8 +16,8 @@ from typing import Any
 
 from kvconform.adapters.contract import ImplementationFailure, KVConnectorAdapter
 from kvconform.common.trace import TraceError, decode, encode, read
-from kvconform.conformance.calls import AdapterHung, call_text
-from kvconform.conformance.operations import Call, ProgramError
+from kvconform.conformance.calls import AdapterHung
+from kvconform.conformance.operations import Call, ProgramError, call_text
 
 Record = tuple[int, dict[str, Any]]
 """A trace record with its line number."""
@@ -174,13 +174,10 @@ class TracedAdapter(KVConnectorAdapter):
     def __init__(self, playback: Playback) -> None:
         self.playback = playback
 
-    def _answer(self, operation: str, *args: Any) -> Any:
-        return self.playback.answer(operation, args)
-
 
 def _played(operation: str) -> Any:
     def method(self: TracedAdapter, *args: Any) -> Any:
-        return self._answer(operation, *args)
+        return self.playback.answer(operation, args)
 
     method.__name__ = method.__qualname__ = operation
     method.__doc__ = f"Answer `{operation}` as the trace recorded it."

@@ -18,7 +18,7 @@ from kvconform.conformance import options, report
 from kvconform.conformance.calls import DEFAULT_CALL_TIMEOUT
 from kvconform.conformance.examples import DEFAULT_DATABASE
 from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT
-from kvconform.conformance.profiles import PROFILES
+from kvconform.conformance.profiles import PROFILES, Shard
 from kvconform.console import make_console
 
 EXIT_CONFORMANT, EXIT_NONCONFORMANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -142,8 +142,7 @@ def run_command(adapter_spec: str, profile: str, seed: int | None, report_path: 
             sys.exit(EXIT_INTERRUPTED)
         _print_table(make_console(), run_report, verbose)
     if record_trace is not None:
-        written = sorted(record_trace.parent.glob(f"{record_trace.stem}.part-*-of-{workers}{record_trace.suffix}")
-                         ) if workers > 1 else [record_trace]
+        written = [Shard(index, workers).trace(record_trace) for index in range(workers)]
         click.echo(f"kvconform: trace written to {', '.join(map(str, written))} "
                    f"({sum(path.stat().st_size for path in written):,} bytes); judge it again with: kvconform check "
                    f"{' '.join(map(str, written))}", err=True)

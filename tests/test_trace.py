@@ -40,8 +40,9 @@ def report_without_timings(path: Path) -> dict:
 
 def recorded_run(adapter: type, name: str, path: Path, profile: str = "smoke") -> runner.RunResult:
     """Run `adapter` under `profile`, recording the trace at `path`, as `kvconform run --record-trace` does."""
-    header = {"adapter": name, "profile": profile, "seed": None, "scheduling": "both", "drain_timeout": 10.0,
-              "tensor_parallel_size": None}  # what runner.check reads; options.check reads the rest of a CLI trace's
+    header = {"adapter": name, "implementation": "test", "behaviours": [], "capabilities": {}, "profile": profile,
+              "seed": None, "scheduling": "both", "drain_timeout": 10.0, "tensor_parallel_size": None,
+              "known_failures": [], "known_failures_files": []}  # trace.RUN_FIELDS
     return runner.run(adapter, name, profile, recorder=Recorder(path, header))
 
 
@@ -144,6 +145,8 @@ def test_an_unreadable_recorded_value_is_the_traces_fault_not_the_adapters(tmp_p
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda lines: lines[:5] + [lines[5][: len(lines[5]) // 2]] + lines[6:], ":6: not a JSON record"),
     (lambda lines: [lines[0].replace('"version":1', '"version":9')] + lines[1:], ":1: trace format version 9"),
+    (lambda lines: [lines[0].replace('"scheduling":', '"scheduled":')] + lines[1:],
+     ":1: the trace header's run lacks scheduling"),
     (lambda lines: lines[1:], ":1: not a kvconform-trace file"),
     (lambda lines: lines[:3] + ['{"record": "gossip"}'] + lines[3:], ":4: not a trace record"),
     (lambda lines: lines[:3] + ['{"record": "call", "operation": "step"}'] + lines[3:],
