@@ -19,7 +19,7 @@ from kvconform.common.values import (
     TransferOutcome,
 )
 from kvconform.conformance import options, runner, scenarios
-from kvconform.conformance.execution import Execution, Session, replay
+from kvconform.conformance.execution import DEFAULT_DRAIN_TIMEOUT, Execution, Session, replay
 from kvconform.conformance.judging import disaggregated
 from kvconform.conformance.judging.judge import ClauseViolation
 from kvconform.conformance.judging.levels import judged_levels
@@ -68,9 +68,10 @@ PROGRAMS: dict[str, list[Call]] = {
 """Per P/D mutant, a program that shows its bug; each ends with the pair drained below."""
 
 
-def run(adapter: type, program: list[Call]) -> ClauseViolation | None:
-    """Run `program` and a last drain on a fresh `adapter`; return the violation it ended with, if any."""
-    execution = Execution(Session(adapter))
+def run(adapter: type, program: list[Call], drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> ClauseViolation | None:
+    """Run `program` and a last drain, waiting up to `drain_timeout` seconds for a pair on its own clock, on a fresh
+    `adapter`; return the violation it ended with, if any."""
+    execution = Execution(Session(adapter, drain_timeout=drain_timeout))
     execution.begin()
     try:
         for call in [*program, Call("drain")]:

@@ -31,6 +31,11 @@ pytestmark = [pytest.mark.nixl, pytest.mark.vllm,
 PROMPT = tuple(range(1, 19))
 """Four full blocks and a partial one."""
 
+DRAIN_TIMEOUT = 60.0
+"""Seconds the drain of a handed-over prefill waits for the pair: the first example's drain holds NIXL's first
+handshakes over UCX, between rank processes at TP 2, which took 3-7 s on a quiet 2-core machine and over 11 s in CI
+under load (a false KVC-LIVE-1 at the default 10 s). An upper bound only: a correct pair finishes sooner."""
+
 KNOWN = "vllm-pd-NixlConnector-0.34.0.txt"
 KNOWN_PUSH = "vllm-pd-NixlConnector-push-0.34.0.txt"
 
@@ -58,7 +63,7 @@ def test_a_prefill_read_by_the_consumer_is_conformant(size: int, processes: str)
     every rank. Before the finish hook `request_finished_all_groups` was recorded, PD-PARAMS-1 failed here: no delayed
     free was seen. Across processes the handshake's compatibility check passes (`enforce_handshake_compat`, on by
     default, compares a hash that includes the model): both engines name one model directory."""
-    assert run(VllmPDAdapter, hand_over(size=size)) is None
+    assert run(VllmPDAdapter, hand_over(size=size), DRAIN_TIMEOUT) is None
 
 
 @pytest.mark.parametrize("size", [1, 2])
@@ -68,7 +73,7 @@ def test_a_prefill_pushed_by_the_producer_is_conformant(size: int, monkeypatch: 
     did, the consumer never reported the receive: PD-ONCE-1), and ends its hold when its write completed, before the
     consumer reports the receive (PD-HOLD-1's MAY)."""
     monkeypatch.setenv(CONNECTOR_CONFIG, json.dumps({"transfer_mode": "push"}))
-    assert run(VllmPDAdapter, hand_over(size=size)) is None
+    assert run(VllmPDAdapter, hand_over(size=size), DRAIN_TIMEOUT) is None
 
 
 def test_a_malformed_forward_gets_a_per_clause_verdict_not_a_traceback(processes: str) -> None:
@@ -99,7 +104,7 @@ def test_a_producer_process_that_exits_is_named_and_replaced(monkeypatch: pytest
                                                    r"pair_step"):
         adapter.step()
     adapter.close()
-    assert run(VllmPDAdapter, hand_over()) is None
+    assert run(VllmPDAdapter, hand_over(), DRAIN_TIMEOUT) is None
     assert pd.producer_server() is not server
 
 
