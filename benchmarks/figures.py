@@ -29,6 +29,7 @@ UNIT_FORMATS = {
     "ratio": lambda value: f"{value:.2f}",
     "µs/step": lambda value: f"{value:,.0f} µs/step",
     "bytes/step": lambda value: f"{value:,.0f} bytes/step",
+    "tokens/s": lambda value: f"{value:,.0f} tokens/s",
 }
 """How a value of each unit is shown in the table; the JSON keeps the plain number."""
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvconform.benchmarks import (
     connectors,
     counterexample,
+    engine,
     scaling,
     throughput,
     traces,
@@ -35,6 +36,7 @@ class Settings:
     vendor: vendor.VendorSettings = field(default_factory=vendor.VendorSettings)
     connectors: connectors.ConnectorsSettings = field(default_factory=connectors.ConnectorsSettings)
     traces: traces.TracesSettings = field(default_factory=traces.TracesSettings)
+    engine: engine.EngineSettings = field(default_factory=engine.EngineSettings)
 
 
 BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
@@ -46,6 +48,7 @@ BENCHMARKS: dict[str, Callable[[Settings, Progress], list[Figure]]] = {
     vendor.NAME: lambda settings, progress: vendor.measure(settings.vendor, progress),
     connectors.NAME: lambda settings, progress: connectors.measure(settings.connectors, progress),
     traces.NAME: lambda settings, progress: traces.measure(settings.traces, progress),
+    engine.NAME: lambda settings, progress: engine.measure(settings.engine, progress),
 }
 """Benchmark name → how to run it; the issue's order."""
 

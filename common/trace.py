@@ -29,7 +29,7 @@ VERSION = 1
 """The format version a trace's first record names; a checker refuses a version it does not know."""
 
 RECORDS: dict[str, tuple[str, ...]] = {
-    "trace": ("format", "version", "run"),
+    "trace": ("format", "version"),
     "example": ("replay",),
     "operation": ("call",),
     "call": ("operation", "args"),
@@ -38,10 +38,13 @@ RECORDS: dict[str, tuple[str, ...]] = {
     "hang": ("timeout",),
     "clock": ("now",),
     "end": ("examples", "rules"),
+    "hook": ("side", "rank", "method", "at"),
+    "state": ("at", "requests", "used_gpu_blocks"),
 }
 """Each record kind -> the fields it must have (`record` names the kind):
 
-- `trace`: the first record: the format, its version and the run's settings (`run`: adapter, profile, seed, …);
+- `trace`: the first record: the format, its version, and either the kit run's settings (`run`: adapter, profile,
+  seed, …) or, for a recording of a real engine, the engine's (`engine`, `ENGINE_FIELDS`);
 - `example`: a fresh adapter is built; `replay` says whether it re-runs a program the run already judged (a shrink);
 - `operation`: the program operation (`{"op": …, "args": …}`, as programs are written) the calls after it serve;
 - `call`: an adapter call is made (`build` is the adapter's construction), followed by exactly one of
@@ -50,16 +53,31 @@ RECORDS: dict[str, tuple[str, ...]] = {
 - `clock`: the run read its clock (`time.monotonic`): a judge's lease, a drain's deadline;
 - `end`: the last record: the examples the run drew and the state-machine rules it ran. A trace without it was cut
   short.
+
+A recording of a real engine (`adapters/vllm/recorder.py`) holds, after its header, only
+- `hook`: a call the engine made to its connector: the `side` (scheduler or worker) and `rank` that made it, the
+  `method`, when (`at`, the engine's `time.monotonic`), what the judge reads of its arguments and answer, or `raised`;
+- `state`: after the scheduler's last call of a step, each live request's computed tokens and status, and the GPU
+  blocks in use.
 """
 
 RUN_FIELDS = ("adapter", "implementation", "behaviours", "capabilities", "profile", "seed", "scheduling",
               "drain_timeout", "tensor_parallel_size", "known_failures", "known_failures_files")
 """What the header's `run` must hold: all a checker reads to judge the run again and report it alike."""
 
+ENGINE_FIELDS = ("side", "rank", "vllm", "connector", "block_size", "num_gpu_blocks", "max_num_batched_tokens",
+                 "async_scheduling", "tensor_parallel_size", "worker_traces")
+"""What the header's `engine` must hold: the engine a recording was made in, as the checker builds its config."""
+
 MODELS: dict[str, type[BaseModel]] = {
     name: model for name, model in inspect.getmembers(values, inspect.isclass)
     if issubclass(model, BaseModel) and model.__module__ == values.__name__ and not name.startswith("_")}
 """The contract's values, by class name: what a `$model` tag names."""
+
+
+def worker_trace(trace: Path, rank: int) -> Path:
+    """Return the file a recorded engine's rank writes its worker side's calls to, beside the scheduler's `trace`."""
+    return trace.with_name(f"{trace.stem}.worker-{rank}{trace.suffix}")
 
 
 class TraceError(ValueError):
@@ -145,10 +163,11 @@ def _decoded(data: Any) -> Any:
 class TraceWriter:
     """Writes one trace, a record a line, flushed as written: a run that dies leaves every record made so far."""
 
-    def __init__(self, path: Path, run: dict[str, Any]) -> None:
+    def __init__(self, path: Path, **header: dict[str, Any]) -> None:
+        """Open `path` and write the header: the kit's `run`, or a recorded `engine`."""
         self.path = path
         self.file: IO[str] = path.open("w", encoding="utf-8")
-        self.write("trace", format=FORMAT, version=VERSION, run=run)
+        self.write("trace", format=FORMAT, version=VERSION, **header)
 
     def write(self, kind: str, **fields: Any) -> None:
         self.file.write(json.dumps({"record": kind, **fields}, separators=(",", ":")) + "\n")
@@ -157,6 +176,24 @@ class TraceWriter:
     def close(self, examples: int, rules: int) -> None:
         self.write("end", examples=examples, rules=rules)
         self.file.close()
+
+
+def _check_header(where: str, header: dict[str, Any]) -> None:
+    """Raise TraceError unless the header holds a kit run's settings or a recorded engine's, whole."""
+    kind = "run" if "run" in header else "engine"
+    fields = header.get(kind)
+    required = RUN_FIELDS if kind == "run" else ENGINE_FIELDS
+    if not isinstance(fields, dict):
+        raise TraceError(f"{where}: the trace header names neither the run it records ('run') nor the engine "
+                         "('engine')")
+    if not set(required) <= set(fields):
+        raise TraceError(f"{where}: the trace header's {kind} lacks {', '.join(sorted(set(required) - set(fields)))}")
+
+
+def header(path: Path) -> dict[str, Any]:
+    """Return the header of the trace at `path` (its first record, checked); raise TraceError for a file that is not
+    a trace of this version."""
+    return next(read(path))[1]
 
 
 def read(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -184,9 +221,8 @@ def read(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if number == 1 and record["version"] != VERSION:
             raise TraceError(f"{where}: trace format version {record['version']!r}; this checker reads version "
                              f"{VERSION}")
-        run = record["run"] if number == 1 and isinstance(record["run"], dict) else {}
-        if number == 1 and not set(RUN_FIELDS) <= set(run):
-            raise TraceError(f"{where}: the trace header's run lacks {', '.join(sorted(set(RUN_FIELDS) - set(run)))}")
+        if number == 1:
+            _check_header(where, record)
         if number > 1 and kind == "trace":
             raise TraceError(f"{where}: a second trace header: two traces joined into one file")
         yield number, record

@@ -199,6 +199,11 @@ class StepObservation(_Frozen):
     forward_writes: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks the forward wrote")
     store_reads_in_flight: frozenset[NonNegativeInt] = Field(frozenset(), description="physical GPU blocks in-flight "
                                                                                        "stores read during the forward")
+    output_tokens: dict[str, tuple[NonNegativeInt, ...]] = Field(
+        default_factory=dict, description="each request whose output grew in this step -> all its output tokens so "
+                                          "far, where the engine's own model sampled them (a recorded real engine): "
+                                          "the judge's KV history takes them in place of the kit's model's "
+                                          "(KVC-HIT-1); empty where the kit's model decodes")
     # The offloading level: the manager calls of the step, as vLLM's OffloadingManager receives them.
     completed_loads: tuple[LoadJob, ...] = Field((), description="load jobs whose completion was processed in this "
                                                                "step (complete_load, OFF-MGR-3); each job of `loads` "

@@ -20,7 +20,7 @@ class Recorder:
     """Writes one run's trace, record by record, as the run makes them."""
 
     def __init__(self, path: Path, run: dict[str, Any]) -> None:
-        self.writer = TraceWriter(path, run)
+        self.writer = TraceWriter(path, run=run)
 
     def example(self, replay: bool) -> None:
         """A fresh adapter is about to be built; `replay`: for a program the run has judged already (a shrink)."""

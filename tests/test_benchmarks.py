@@ -19,6 +19,7 @@ from faulty_adapters import faulty, raising
 from kvconform.benchmarks import (
     connectors,
     counterexample,
+    engine,
     scaling,
     suite,
     throughput,
@@ -42,6 +43,7 @@ TINY = dict(
     vendor=vendor.VendorSettings(connector="tests.no_such_connector:Nope", scenarios=("tenant-isolation",)),
     connectors=connectors.ConnectorsSettings(profile="bench-test", connectors=("ExampleConnector",)),
     traces=traces.TracesSettings(profile="bench-test", repetitions=1),
+    engine=engine.EngineSettings(repetitions=1),
 )
 """The vendor benchmark's commands are refused before vLLM's import (an unknown module): four processes, no run. The
 connectors benchmark runs ExampleConnector where vLLM is installed, and says why not where it is not."""

@@ -78,7 +78,8 @@ for a `SupportsHMA` connector from 0.34 on (`v1/core/sched/scheduler.py`:3523-35
 
 @dataclass
 class StepTrace:
-    """What vLLM's objects reported during one adapter step, as recorded by the wrappers."""
+    """What vLLM's objects reported during one engine step: recorded by the adapter's wrappers, or read from a real
+    engine's recording (`recorded.py`)."""
 
     scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
@@ -97,6 +98,18 @@ class StepTrace:
     """Requests that finished in the step -> the kv_transfer_params the connector's finish hook returned."""
     rank_reports: list[RankReport] = field(default_factory=list)
     """Each rank's connector output for the batch processed in the step, before the ranks were aggregated."""
+
+    def observed(self, computed_tokens: dict[str, int], **more: Any) -> dict[str, Any]:
+        """Return the StepObservation fields the step's records give, with each unfinished request's computed tokens
+        after the step, and `more` fields (a recorded engine's output tokens)."""
+        return dict(
+            scheduled_tokens=self.scheduled_tokens, computed_tokens=computed_tokens,
+            preempted=tuple(sorted(self.preempted)), promoted=dict(self.promoted),
+            match_answers=tuple(self.match_answers), masked_answers=tuple(self.masked_answers),
+            finished=tuple(self.finished), freed=tuple(self.freed), forward_writes=frozenset(self.forward_writes),
+            store_reads_in_flight=frozenset(self.store_reads_in_flight), loads_finished=tuple(self.loads_finished),
+            loads_failed=tuple(self.loads_failed), free_delayed=tuple(self.free_delayed),
+            saves_finished=tuple(self.saves_finished), **more)
 
 
 @dataclass
@@ -791,19 +804,8 @@ class VllmAdapter(KVConnectorAdapter):
             self.trace.freed.append(request.request_id)
 
     def _observe(self) -> StepObservation:
-        trace = self.trace
-        observation = dict(
-            scheduled_tokens=trace.scheduled_tokens,
-            computed_tokens={r: q.num_computed_tokens for r, q in self.scheduler.requests.items()
-                             if not q.is_finished()},
-            preempted=tuple(sorted(trace.preempted)), promoted=dict(trace.promoted),
-            match_answers=tuple(trace.match_answers), masked_answers=tuple(trace.masked_answers),
-            finished=tuple(trace.finished), freed=tuple(trace.freed),
-            forward_writes=frozenset(trace.forward_writes),
-            store_reads_in_flight=frozenset(trace.store_reads_in_flight),
-            loads_finished=tuple(trace.loads_finished), loads_failed=tuple(trace.loads_failed),
-            free_delayed=tuple(trace.free_delayed), saves_finished=tuple(trace.saves_finished),
-        )
+        observation = self.trace.observed({r: q.num_computed_tokens for r, q in self.scheduler.requests.items()
+                                           if not q.is_finished()})
         self.observe_connector(observation)
         return StepObservation(**observation)
 

@@ -5,6 +5,10 @@ importing it imports vLLM. `KVConformCPUOffloadingSpec` is vLLM's `CPUOffloading
 count, same `CPUOffloadingManager` with its LRU or ARC policy — except that the worker side hands the
 transfers to kvconform (`transfers.HeldTransfers`) instead of vLLM's CUDA copy kernels: through
 `get_handlers` (an `OffloadingHandler`) up to 0.24 and `get_worker` (an `OffloadingWorker`) from 0.32.
+
+`TorchCopyCPUOffloadingSpec` (0.32+) is the same spec for a real engine on the CPU (`live.py`), where vLLM's CPU
+worker refuses to run without CUDA: its worker copies the engine's own KV tensors with torch, each job at once, and
+reports it finished at the connector's next poll, on the engine's clock.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+import torch
 from vllm.v1.kv_offload import base
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
@@ -73,6 +78,50 @@ def results(transfers: HeldTransfers, result_class: type) -> list[Any]:
 
 
 if hasattr(base, "OffloadingWorker"):  # 0.32+
+
+    class TorchCopyWorker(base.OffloadingWorker):
+        """An OffloadingWorker that copies whole blocks between a real engine's KV tensors (`[blocks, page bytes]`,
+        int8, one per layer) and a CPU store of as many rows per tensor as the spec's chunks hold."""
+
+        def __init__(self, kv_caches: Any, factor: int, rows: int) -> None:
+            self.gpu = [entry.tensor for entry in kv_caches.tensors]
+            self.store = [torch.zeros(rows, *tensor.shape[1:], dtype=tensor.dtype) for tensor in self.gpu]
+            self.factor = factor
+            self.finished: list[int] = []
+
+        def _copy(self, job_id: int, copy: Copy) -> bool:
+            blocks = torch.tensor(copy.gpu_blocks, dtype=torch.int64)
+            rows = torch.tensor(copy.rows, dtype=torch.int64)
+            for gpu, store in zip(self.gpu, self.store, strict=True):
+                if copy.is_store:
+                    store.index_copy_(0, rows, gpu.index_select(0, blocks))
+                else:
+                    gpu.index_copy_(0, blocks, store.index_select(0, rows))
+            self.finished.append(job_id)
+            return True
+
+        def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+            return self._copy(job_id, copy_of(src_spec, dst_spec, self.factor, True))
+
+        def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+            return self._copy(job_id, copy_of(dst_spec, src_spec, self.factor, False))
+
+        def get_finished(self) -> list[Any]:
+            finished, self.finished = self.finished, []
+            return [runtime.dataclass_kwargs(base.TransferResult, job_id=job_id, success=True) for job_id in finished]
+
+        def wait(self, job_ids: set[int]) -> None:
+            """Every job is copied when submitted."""
+
+    class TorchCopyCPUOffloadingSpec(CPUOffloadingSpec):
+        """vLLM's CPU offloading spec (its manager, LRU or ARC, and chunking), its worker copying with torch."""
+
+        def get_worker(self, kv_caches: Any) -> Any:
+            worker: Any = getattr(self, "_worker", None)  # vLLM's attribute, untyped where vLLM is not installed
+            if worker is None:
+                worker = self._worker = TorchCopyWorker(kv_caches, self.blocks_per_chunk,
+                                                        self.num_chunks * self.blocks_per_chunk)
+            return worker
 
     class TransferWorker(base.OffloadingWorker):
         """An OffloadingWorker backed by `HeldTransfers`; device pointers are mapped back to GPU block ids."""

@@ -182,6 +182,8 @@ class ConnectorJudge:
         """Advance the trace and the KV history past a judged step."""
         trace = self.trace
         trace.steps += 1
+        for request_id, output in observation.output_tokens.items():
+            self.history.sampled(request_id, output)
         finished = set(observation.finished)
         trace.unfinished -= finished
         trace.delayed = (trace.delayed | set(observation.free_delayed)) - set(observation.saves_finished)
